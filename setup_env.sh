@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Create the course's Python environment and prepare WikiText-2. Safe to run again.
+#
+#   bash setup_env.sh
+#
+# Knobs (environment variables):
+#   TORCH_VARIANT=auto|cpu|cuda|module
+#       auto (default): cuda when `nvidia-smi` sees a GPU, else cpu.
+#       cpu:    the CPU wheel of torch 2.13.0 (small; laptops, CI, CPU-only test nodes).
+#       cuda:   the CUDA build of torch 2.13.0 from PyPI (several GB; GPU clusters).
+#       module: keep the torch you loaded before (e.g. `module load PyTorch` on a JSC system);
+#               the environment then sees the system's packages.
+#   VENV=path       where the environment goes (default: .venv in the repository).
+#   PYTHON=python3  the interpreter that creates it.
+#   SKIP_DATA=1     do not try to download WikiText-2.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")"
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=2.13.0
+variant=${TORCH_VARIANT:-auto}
+if [ "$variant" = auto ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        variant=cuda
+    else
+        variant=cpu
+    fi
+fi
+echo "setup_env: torch variant '$variant', environment $VENV"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if [ "$variant" = module ]; then
+        "$PYTHON" -m venv --system-site-packages "$VENV"
+    else
+        "$PYTHON" -m venv "$VENV"
+    fi
+fi
+pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
+
+installed_torch=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+case "$variant" in
+    module)
+        [ -n "$installed_torch" ] || { echo "setup_env: TORCH_VARIANT=module but no torch is importable: load your PyTorch module first" >&2; exit 1; }
+        ;;
+    cpu)
+        if [[ "$installed_torch" != "$TORCH_VERSION"* ]]; then
+            # PyPI's Linux wheel is the CUDA build; PyTorch's own CPU index has the small one.
+            if "$VENV/bin/python" -c 'import socket; socket.create_connection(("download.pytorch.org", 443), 3)' 2>/dev/null; then
+                pip install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
+            else
+                pip install "torch==$TORCH_VERSION"
+            fi
+        fi
+        ;;
+    cuda)
+        [[ "$installed_torch" == "$TORCH_VERSION"* ]] || pip install "torch==$TORCH_VERSION"
+        ;;
+    *)
+        echo "setup_env: TORCH_VARIANT must be auto, cpu, cuda or module, not '$variant'" >&2; exit 1
+        ;;
+esac
+
+# The torch now installed satisfies the other packages: keep it (never pull a second build).
+torch_now=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+pip install -q -r requirements.txt "torch==$torch_now"
+pip install -q --no-deps -e .
+"$VENV/bin/python" -c 'import torch, model, utils; print(f"setup_env: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")'
+
+if [ "${SKIP_DATA:-0}" != 1 ]; then
+    "$VENV/bin/python" prepare_data.py || true
+fi
+echo "setup_env: done. Activate with: source $VENV/bin/activate"

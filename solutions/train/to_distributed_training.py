@@ -1,0 +1,168 @@
+"""Train a causal Transformer language model on WikiText-2: step 1 of the course.
+
+As shipped, this script trains on one device: a GPU if there is one, else the CPU. Do the TODOs
+in order (TODOs 1 to 11 here, then 12 to 16 in to_distributed_training.sbatch) to make it train
+on several GPUs and nodes with DistributedDataParallel (DDP). Check your work with
+    diff -u train/to_distributed_training.py solutions/train/to_distributed_training.py
+
+Run it:
+    python train/to_distributed_training.py --preset small --max-steps 300      # laptop CPU
+    sbatch to_distributed_training.sbatch                                        # one GPU
+When the TODOs are done:
+    torchrun --standalone --nproc_per_node=2 train/to_distributed_training.py --preset tiny --max-steps 50
+    sbatch to_distributed_training.sbatch                                        # 2 nodes x 4 GPUs
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from model import TransformerLM, get_config
+from utils.args import base_parser
+from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.metrics import (MetricLogger, Throughput, flops_per_token, peak_flops,
+                           peak_memory_bytes, perplexity, write_summary)
+# DONE 1: Import what DDP needs: DistributedDataParallel, DistributedSampler, our
+# DistributedEvalSampler, and the helpers from utils/distributed_utils.py.
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data.distributed import DistributedSampler
+from utils.data import DistributedEvalSampler
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     print0, save0, setup)
+
+
+def main():
+    args = base_parser(__file__, __doc__).parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+
+    # DONE 2: Replace the hand-made device with `setup()`: under torchrun it joins the process
+    # group and picks this rank's GPU (or the CPU with gloo); it seeds every rank alike.
+    local_rank, rank, device, world_size = setup(args.seed, args.device)
+
+    # ---- data ----
+    # DONE 9: Print on rank 0 only: replace print by print0 here and in the DONE 9 lines below.
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
+                                 for tokens in (corpus.train, corpus.valid, corpus.test))
+    # DONE 3: Give every rank its own shard of the data. Training: a DistributedSampler,
+    # shuffled with the same seed on every rank, dropping the remainder so all ranks take the
+    # same number of steps. Validation and test: DistributedEvalSampler (it counts no sample twice).
+    train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
+    test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                       pin_memory=device.type == "cuda")
+    # DONE 4: Pass the samplers to the DataLoaders. The sampler shuffles now: drop shuffle=True.
+    train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
+    test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
+
+    # ---- model and optimizer ----
+    model = TransformerLM(cfg).to(device)
+    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
+                                    cfg.d_model, cfg.max_seq_len)
+    # DONE 9: print0
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
+    # DONE 5: Wrap the model in DistributedDataParallel. It keeps the replicas identical by
+    # averaging the gradients of all ranks during backward().
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+
+    # ---- training ----
+    throughput = Throughput(device)
+    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
+    for epoch in range(args.epochs):
+        # DONE 6: Tell the sampler the epoch, or every epoch repeats the first epoch's order.
+        train_sampler.set_epoch(epoch)
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            throughput.step(x.numel() * world_size)
+            # DONE 7: Each rank's loss covers only its own batch: log the mean over all ranks.
+            step_loss = all_reduce_mean(loss.detach())
+            loss_history.append(step_loss)
+            if step % args.log_every == 0:
+                # DONE 9: print0
+                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
+                logger.log({"train/loss": step_loss.item()}, step)
+            if step == args.max_steps:
+                break
+
+        val_loss = evaluate(model, val_loader, device)
+        # DONE 9: print0
+        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        if val_loss < best_val:
+            best_val = val_loss
+            # DONE 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
+            # DDP), so the file loads into a model without DDP.
+            save0(model, out_dir / "best_model.pt")
+        if step == args.max_steps:
+            break
+
+    # ---- evaluation, saving, summary ----
+    test_loss = evaluate(model, test_loader, device)
+    tokens_per_s = throughput.tokens_per_s()
+    peak, peak_source = peak_flops(device)
+    summary = dict(
+        script=Path(__file__).name, world_size=world_size, steps=step,
+        global_batch_size=args.batch_size * world_size, seq_len=cfg.max_seq_len,
+        loss_history=torch.stack(loss_history).tolist() if loss_history else [],
+        val_loss=val_loss, val_ppl=perplexity(val_loss),
+        test_loss=test_loss, test_ppl=perplexity(test_loss),
+        tokens_per_s=tokens_per_s, flops_per_token=flops_per_tok,
+        mfu=tokens_per_s * flops_per_tok / (peak * world_size),
+        peak_flops_per_device=peak, peak_flops_source=peak_source,
+        peak_mem_bytes=peak_memory_bytes(device), wall_time_s=time.time() - start_time,
+        data=corpus.source, preset=args.preset, model_config=cfg.to_dict())
+    # DONE 9: print0
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{tokens_per_s:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+    # DONE 10: save0
+    save0(model, out_dir / "final_model.pt")
+    write_summary(out_dir, summary)
+    logger.close()
+    # DONE 11: Leave the process group when done. Delete the DDP model first, so its
+    # communication buffers are freed while the group still exists.
+    del model, optimizer
+    destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Token-weighted mean loss over a whole split."""
+    model.eval()
+    # float64 sums: adding many partial sums in another order changes nothing visible
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
+                                    ignore_index=IGNORE_INDEX)
+        tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
+    # DONE 8: Each rank saw only its share of the split: add up the loss sums and token counts of
+    # all ranks before dividing, so the result equals the single-GPU loss exactly.
+    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
+    model.train()
+    return (loss_sum / tokens).item()
+
+
+if __name__ == "__main__":
+    main()

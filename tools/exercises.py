@@ -1,0 +1,120 @@
+"""Make the exercise files and their solutions from one marked source each.
+
+Each file under course/ is the single source of one exercise. It contains both versions of
+every TODO block:
+
+    # TODO 5: Wrap the model in DistributedDataParallel ...
+    #| exercise
+    (what participants start from; may be empty)
+    #| solution
+    (the answer)
+    #| end
+
+From course/<path> this tool writes <path> (the exercise: the `exercise` parts) and
+solutions/<path> (the solution: the `solution` parts, with "TODO N" comments turned into
+"DONE N"). So `diff -u <path> solutions/<path>` shows exactly the TODO blocks.
+
+    python tools/exercises.py           # write train/, *.sbatch and solutions/ from course/
+    python tools/exercises.py --check   # exit 1 if a committed file differs from its source
+
+TODO numbers are unique across the whole course (one number may mark several blocks of the
+same task in one file) and run from 1 without gaps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_DIR = ROOT / "course"
+TODO = re.compile(r"\bTODO (\d+)\b")
+MARKERS = ("#| exercise", "#| solution", "#| end")
+
+
+class SourceError(ValueError):
+    pass
+
+
+def render(text: str, variant: str, name: str = "<source>") -> str:
+    """The exercise or solution version of a marked source."""
+    assert variant in ("exercise", "solution")
+    out, state = [], None  # state: None outside a block, else the part being read
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
+        marker = line.strip()
+        if marker in MARKERS:
+            expected = {None: "#| exercise", "exercise": "#| solution", "solution": "#| end"}[state]
+            if marker != expected:
+                raise SourceError(f"{name}:{lineno}: found {marker!r}, expected {expected!r}")
+            state = {"#| exercise": "exercise", "#| solution": "solution", "#| end": None}[marker]
+            continue
+        if state in (None, variant):
+            if variant == "solution":
+                line = TODO.sub(r"DONE \1", line)
+            out.append(line)
+    if state is not None:
+        raise SourceError(f"{name}: a block opened with '#| exercise' is never closed with '#| end'")
+    return "".join(out)
+
+
+def sources() -> list[Path]:
+    return sorted(p for p in SOURCE_DIR.rglob("*") if p.is_file() and "__pycache__" not in p.parts)
+
+
+def targets(source: Path) -> dict[str, Path]:
+    rel = source.relative_to(SOURCE_DIR)
+    return {"exercise": ROOT / rel, "solution": ROOT / "solutions" / rel}
+
+
+def todo_numbers(text: str) -> set[int]:
+    return {int(n) for n in TODO.findall(text)}
+
+
+def check_numbering(files: dict[Path, str]) -> list[str]:
+    """Problems with the TODO numbers across all sources (empty when fine)."""
+    problems, owner = [], {}
+    for path, text in files.items():
+        for n in todo_numbers(text):
+            if n in owner:
+                problems.append(f"TODO {n} is used in both {owner[n].name} and {path.name}")
+            owner[n] = path
+    if owner and sorted(owner) != list(range(1, max(owner) + 1)):
+        missing = sorted(set(range(1, max(owner) + 1)) - set(owner))
+        problems.append(f"TODO numbers must run from 1 without gaps; missing: {missing}")
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help="do not write; fail if a committed file differs from its source")
+    args = parser.parse_args(argv)
+    texts = {src: src.read_text() for src in sources()}
+    problems = check_numbering(texts)
+    for src, text in texts.items():
+        for variant, target in targets(src).items():
+            try:
+                wanted = render(text, variant, str(src.relative_to(ROOT)))
+            except SourceError as e:
+                problems.append(str(e))
+                continue
+            rel = target.relative_to(ROOT)
+            if args.check:
+                if not target.is_file() or target.read_text() != wanted:
+                    problems.append(f"{rel} differs from course/{src.relative_to(SOURCE_DIR)}: "
+                                    "edit the source, then run `python tools/exercises.py`")
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.is_file() or target.read_text() != wanted:
+                    target.write_text(wanted)
+                    target.chmod(src.stat().st_mode & 0o777)
+                    print(f"wrote {rel}")
+    for p in problems:
+        print(f"error: {p}", file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

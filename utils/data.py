@@ -1,0 +1,322 @@
+"""WikiText-2 (word level) as token tensors, and the windows the model trains on.
+
+Three sources give the same `Corpus`:
+- the Hugging Face hub (`Salesforce/wikitext`, `wikitext-2-v1`): the cluster path. Run
+  `python prepare_data.py` once on a login node; compute nodes then read the cache offline;
+- a local folder with train/valid/test text files (`train.txt`... or `wiki.train.tokens`...);
+- a synthetic corpus generated on the fly, for fully offline smoke tests.
+
+Tokenisation is the standard one for WikiText-2 (as in PyTorch's word-language-model example):
+split each line on white space and end it with `<eos>`. The vocabulary comes from the training
+split only; other words become `<unk>`. The tokenised corpus is cached in one file per source,
+written atomically, so every later run and every rank loads it in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import sys
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset, Sampler
+
+UNK, EOS = "<unk>", "<eos>"
+IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
+SPLITS = ("train", "valid", "test")
+HUB_NAME, HUB_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
+CACHE_FORMAT = 1
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+class DataUnavailableError(RuntimeError):
+    """The requested data can be neither read from the cache nor fetched here."""
+
+
+@dataclass
+class Corpus:
+    vocab: list[str]
+    train: torch.Tensor
+    valid: torch.Tensor
+    test: torch.Tensor
+    source: str
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenisation and vocabulary
+
+
+def tokenize(lines) -> list[str]:
+    words = []
+    for line in lines:
+        words.extend(line.split())
+        words.append(EOS)
+    return words
+
+
+def build_vocab(train_words: list[str]) -> list[str]:
+    """`<unk>` and `<eos>` first, then the training words by falling frequency."""
+    counts = Counter(w for w in train_words if w not in (UNK, EOS))
+    return [UNK, EOS] + [w for w, _ in counts.most_common()]
+
+
+def encode(words: list[str], vocab: list[str]) -> torch.Tensor:
+    stoi = {w: i for i, w in enumerate(vocab)}
+    unk = stoi[UNK]
+    return torch.tensor([stoi.get(w, unk) for w in words], dtype=torch.long)
+
+
+def build_corpus(split_lines: dict[str, list[str]], source: str) -> Corpus:
+    words = {split: tokenize(split_lines[split]) for split in SPLITS}
+    vocab = build_vocab(words["train"])
+    return Corpus(vocab, *(encode(words[s], vocab) for s in SPLITS), source=source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+
+
+LOCAL_NAMES = ({s: f"{s}.txt" for s in SPLITS}, {s: f"wiki.{s}.tokens" for s in SPLITS})
+
+
+def local_split_files(data_dir: str | os.PathLike) -> dict[str, Path]:
+    data_dir = Path(data_dir)
+    for names in LOCAL_NAMES:
+        files = {s: data_dir / name for s, name in names.items()}
+        if all(f.is_file() for f in files.values()):
+            return files
+    raise DataUnavailableError(
+        f"--data-dir {data_dir} must contain train.txt, valid.txt and test.txt "
+        "(or wiki.train.tokens, wiki.valid.tokens and wiki.test.tokens)")
+
+
+def read_local_splits(files: dict[str, Path]) -> dict[str, list[str]]:
+    return {s: f.read_text(encoding="utf-8").splitlines() for s, f in files.items()}
+
+
+def read_hub_splits(cache_dir: Path) -> dict[str, list[str]]:
+    from datasets import load_dataset  # imported here: only the download path needs it
+
+    # Keep Hugging Face's own download cache next to ours, not in $HOME (small quota on clusters).
+    ds = load_dataset(HUB_NAME, HUB_CONFIG, cache_dir=str(cache_dir / "huggingface"))
+    return {s: ds[{"valid": "validation"}.get(s, s)]["text"] for s in SPLITS}
+
+
+def synthetic_splits(n_train: int = 100_000, n_eval: int = 10_000, vocab_size: int = 500,
+                     seed: int = 0) -> dict[str, list[str]]:
+    """Text from a random Markov chain: each word is mostly followed by one of four others, so
+    a model can learn it (loss falls from ln(500) = 6.2 towards ln(4) = 1.4)."""
+    g = torch.Generator().manual_seed(seed)
+    total = n_train + 2 * n_eval
+    successors = torch.randint(vocab_size, (vocab_size, 4), generator=g).tolist()
+    choice = torch.randint(4, (total,), generator=g).tolist()
+    jump = (torch.rand(total, generator=g) < 0.1).tolist()
+    random_word = torch.randint(vocab_size, (total,), generator=g).tolist()
+    line_len = torch.randint(5, 25, (total,), generator=g).tolist()
+    words, word, lines, line = [], 0, [], []
+    for i in range(total):
+        word = random_word[i] if jump[i] else successors[word][choice[i]]
+        line.append(f"w{word}")
+        if len(line) >= line_len[len(lines)]:
+            lines.append(" ".join(line))
+            line = []
+    # cut by line counts proportional to the requested token counts
+    n = len(lines)
+    a, b = n * n_train // total, n * (n_train + n_eval) // total
+    return {"train": lines[:a], "valid": lines[a:b], "test": lines[b:]}
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether huggingface.co answers within `timeout` seconds (respects the offline variables).
+
+    Without this check `datasets` retries for about half a minute before failing.
+    """
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "") or \
+            os.environ.get("HF_DATASETS_OFFLINE", "0") not in ("0", ""):
+        return False
+    result = []
+
+    def connect():  # DNS look-ups ignore socket timeouts, hence the thread
+        try:
+            socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+            result.append(True)
+        except OSError:
+            pass
+
+    t = threading.Thread(target=connect, daemon=True)
+    t.start()
+    t.join(timeout)
+    return bool(result)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cache
+
+
+def default_cache_dir() -> Path:
+    """$COURSE_DATA_CACHE, else data_cache/ in the repository (clone it on project storage)."""
+    return Path(os.environ.get("COURSE_DATA_CACHE", REPO_ROOT / "data_cache"))
+
+
+def _cache_file(cache_dir: Path, name: str, key: str) -> Path:
+    digest = hashlib.sha256(f"{CACHE_FORMAT}:{key}".encode()).hexdigest()[:16]
+    return cache_dir / f"{name}-{digest}.pt"
+
+
+def _load_cached(path: Path) -> Corpus | None:
+    if not path.is_file():
+        return None
+    d = torch.load(path, weights_only=True)
+    return Corpus(d["vocab"], d["train"], d["valid"], d["test"], source=d["source"])
+
+
+def _save_cached(corpus: Corpus, path: Path) -> None:
+    """Write to a temporary file and rename it: readers never see a half-written cache, and
+    several ranks building it at once each replace the file with identical content."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save({"vocab": corpus.vocab, "train": corpus.train, "valid": corpus.valid,
+                        "test": corpus.test, "source": corpus.source}, f)
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; others in the project read it too
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _cached(cache_dir: Path, name: str, key: str, build) -> Corpus:
+    path = _cache_file(cache_dir, name, key)
+    corpus = _load_cached(path)
+    if corpus is None:
+        corpus = build()
+        _save_cached(corpus, path)
+    return corpus
+
+
+def hub_cache_file(cache_dir: Path) -> Path:
+    return _cache_file(cache_dir, "wikitext-2", f"hub:{HUB_NAME}:{HUB_CONFIG}")
+
+
+def load_corpus(dataset: str = "auto", data_dir: str | None = None,
+                cache_dir: str | os.PathLike | None = None, warn=None) -> Corpus:
+    """The corpus for `dataset` in {"auto", "wikitext-2", "synthetic"}.
+
+    - `data_dir` given: the text files there (for "auto" and "wikitext-2").
+    - "wikitext-2": the cached hub download, downloading it if the hub is reachable;
+      otherwise DataUnavailableError telling to run prepare_data.py on a login node.
+    - "auto": like "wikitext-2", but without cache and hub it falls back to the synthetic
+      corpus and calls `warn` with one line.
+    """
+    if dataset not in ("auto", "wikitext-2", "synthetic"):
+        raise DataUnavailableError(f"unknown dataset {dataset!r}: use auto, wikitext-2 or synthetic")
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    if dataset == "synthetic":
+        return _cached(cache_dir, "synthetic", "synthetic:v1",
+                       lambda: build_corpus(synthetic_splits(), "synthetic"))
+    if data_dir:
+        files = local_split_files(data_dir)
+        digest = hashlib.sha256()
+        for s in SPLITS:
+            digest.update(files[s].read_bytes())
+        return _cached(cache_dir, Path(data_dir).resolve().name, f"local:{digest.hexdigest()}",
+                       lambda: build_corpus(read_local_splits(files), f"local:{data_dir}"))
+    corpus = _load_cached(hub_cache_file(cache_dir))
+    if corpus is not None:
+        return corpus
+    if hub_reachable():
+        return download_wikitext2(cache_dir)
+    if dataset == "auto":
+        (warn or print)(
+            f"WARNING: WikiText-2 is neither cached in {cache_dir} nor downloadable (no hub "
+            "access): training on the SYNTHETIC corpus. Use --data-dir DIR or run prepare_data.py.")
+        return load_corpus("synthetic", cache_dir=cache_dir)
+    raise DataUnavailableError(
+        f"WikiText-2 is not cached in {cache_dir} and the Hugging Face hub is not reachable "
+        "from this node: run `python prepare_data.py` on a login node (with internet) first, "
+        "or pass --data-dir DIR with train.txt/valid.txt/test.txt")
+
+
+def download_wikitext2(cache_dir: Path) -> Corpus:
+    path = hub_cache_file(cache_dir)
+    corpus = build_corpus(read_hub_splits(cache_dir), f"hub:{HUB_NAME}:{HUB_CONFIG}")
+    _save_cached(corpus, path)
+    return corpus
+
+
+def load_corpus_or_exit(dataset: str, data_dir: str | None, cache_dir: str | None, warn=None) -> Corpus:
+    """load_corpus for command-line scripts: a data problem ends the run with one line."""
+    try:
+        return load_corpus(dataset, data_dir, cache_dir, warn=warn)
+    except DataUnavailableError as e:
+        sys.exit(f"error: {e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples
+
+
+class TokenWindows(Dataset):
+    """Sample i is x = tokens[i*T : i*T+T] and its targets y = tokens[i*T+1 : i*T+T+1].
+
+    Each window holds T+1 tokens and consecutive windows share only their boundary token, so
+    every token is predicted exactly once per epoch. (Taking one window per token position, as
+    some courses do, shows every token T times per epoch.)
+
+    Indices from len(self) on are padding samples whose targets are all IGNORE_INDEX: they let
+    every rank run the same number of evaluation batches without counting anything twice.
+    """
+
+    def __init__(self, tokens: torch.Tensor, seq_len: int):
+        if len(tokens) < seq_len + 1:
+            raise ValueError(f"a split of {len(tokens)} tokens is shorter than one window of "
+                             f"--seq-len {seq_len} + 1: use a smaller --seq-len")
+        self.tokens, self.seq_len = tokens, seq_len
+        self.n = (len(tokens) - 1) // seq_len
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        if i >= self.n:
+            return (torch.zeros(self.seq_len, dtype=torch.long),
+                    torch.full((self.seq_len,), IGNORE_INDEX, dtype=torch.long))
+        w = self.tokens[i * self.seq_len: (i + 1) * self.seq_len + 1]
+        return w[:-1], w[1:]
+
+
+class DistributedEvalSampler(Sampler):
+    """Rank r evaluates samples r, r+W, r+2W, ... and pads with padding samples (see
+    TokenWindows) so that every rank runs the same number of batches.
+
+    torch's DistributedSampler pads by repeating real samples, which would count them twice
+    in the validation loss.
+    """
+
+    def __init__(self, dataset: Dataset, num_replicas: int = 1, rank: int = 0):
+        self.n, self.num_replicas, self.rank = len(dataset), num_replicas, rank
+        self.num_samples = -(-self.n // num_replicas)  # ceil
+
+    def __iter__(self):
+        # every index >= n is a padding sample
+        return iter(range(self.rank, self.num_samples * self.num_replicas, self.num_replicas))
+
+    def __len__(self) -> int:
+        return self.num_samples

@@ -1,0 +1,158 @@
+"""The distributed helpers the slides use.
+
+Every function works under torchrun (one process per GPU or CPU slot) and in a plain
+`python script.py` run with no process group, on GPU (NCCL) and on CPU (gloo).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# A crashed or stuck rank makes the others fail after this long instead of hanging for the
+# default 10 (NCCL) or 30 (gloo) minutes. Raise it with DIST_TIMEOUT_MINUTES for huge checkpoints.
+TIMEOUT = datetime.timedelta(minutes=float(os.environ.get("DIST_TIMEOUT_MINUTES", 5)))
+
+
+def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
+    """cuda:LOCAL_RANK when CUDA is usable (and not refused with device="cpu"), else the CPU.
+
+    On a CPU test node Slurm may still set CUDA_VISIBLE_DEVICES: what counts is whether
+    torch can use a GPU.
+    """
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda was asked for, but torch sees no usable GPU here")
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def setup(seed: int = 0, device: str = "auto") -> tuple[int, int, torch.device, int]:
+    """Join the process group when started by torchrun; returns (local_rank, rank, device, world_size).
+
+    Picks NCCL and cuda:LOCAL_RANK when a GPU is usable, gloo and the CPU otherwise. Without
+    torchrun's variables it returns (0, 0, device, 1) with a process group of one.
+
+    Every rank is seeded with the same `seed`, so every rank builds identical initial weights:
+    DDP would broadcast rank 0's weights anyway, but FSDP and tensor parallelism initialise
+    each rank's own shard and rely on this.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    rank = int(os.environ.get("RANK", 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = pick_device(device, local_rank)
+    if not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        # Without torchrun a group of one process (in an in-memory store) lets the same code,
+        # DDP included, run with plain `python script.py`.
+        single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, timeout=TIMEOUT,
+                                device_id=dev if dev.type == "cuda" else None, **single)
+    if world_size > 1:
+        # One line per rank, so a log shows at once which ranks started where.
+        print(f"setup: rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
+              f"device {dev} backend {dist.get_backend()} "
+              f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')}",
+              flush=True)
+    torch.manual_seed(seed)
+    return local_rank, rank, dev, world_size
+
+
+def get_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_root_process() -> bool:
+    """True on global rank 0, and in a run without a process group."""
+    return get_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print on the root process only (the others would repeat the same line)."""
+    if is_root_process():
+        print(*args, **kwargs, flush=True)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The plain model inside a DistributedDataParallel (or torch.compile) wrapper."""
+    while hasattr(model, "module") or hasattr(model, "_orig_mod"):
+        model = getattr(model, "module", None) or model._orig_mod
+    return model
+
+
+def atomic_torch_save(obj, path: str | os.PathLike) -> None:
+    """torch.save to a temporary file, then rename: a crash never leaves a half-written file
+    in place of the previous good one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def save0(model_or_state_dict, path: str | os.PathLike) -> None:
+    """Save a state dict on the root process only.
+
+    Given a module (also a DDP-wrapped one), saves the plain model's state_dict, so the file
+    loads with torch.load(weights_only=True) into a fresh, unwrapped model. Pickling the module
+    itself would tie the file to this code and to DDP.
+    """
+    state = model_or_state_dict
+    if isinstance(state, nn.Module):
+        state = unwrap(state).state_dict()
+    if any(type(v).__name__ == "DTensor" for v in state.values()):
+        raise TypeError("save0 got sharded (DTensor) weights: use save_full_model or "
+                        "save_sharded_model for FSDP and tensor-parallel models")
+    if is_root_process():
+        atomic_torch_save(state, path)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of `tensor` over all ranks (a copy; the input is left alone)."""
+    tensor = tensor.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean of `tensor` over all ranks. SUM then divide: ReduceOp.AVG is missing on some
+    backends and releases (gloo before 2.x, integer tensors)."""
+    return all_reduce_sum(tensor) / get_world_size()
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def destroy_process_group() -> None:
+    """Leave the process group cleanly; does nothing without one.
+
+    Collect garbage first, so communication objects of models that are already deleted go
+    before the group does, then wait for every rank, so none tears down while another still
+    communicates.
+    """
+    if dist.is_initialized():
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()

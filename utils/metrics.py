@@ -1,0 +1,155 @@
+"""Throughput, model FLOPs utilisation (MFU), memory, and the logs every training script writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+from utils.distributed_utils import is_root_process
+
+
+def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 N + 12 L d T (PaLM, appendix B).
+
+    6 N: forward (2) and backward (4) multiply-adds of every weight matrix, N counting all
+    parameters except the embedding tables (lookups cost no FLOPs) but including the output
+    projection. 12 L d T: the attention scores and their weighted sum, forward and backward.
+    """
+    return 6 * n_params_non_embedding + 12 * n_layers * d_model * seq_len
+
+
+# Dense peak FLOP/s per GPU from the vendors' data sheets, by the dtype the matmuls run in.
+# fp32 means true fp32: PyTorch leaves TF32 off for matmuls unless you enable it.
+GPU_PEAK_FLOPS = {
+    "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12},
+    "H100": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM / GH200
+    "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},
+    "V100": {"float32": 15.7e12, "tf32": 15.7e12, "bfloat16": 125e12},
+}
+
+
+def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 1024,
+                         seconds: float = 0.3) -> float:
+    """FLOP/s of a square matmul on `device`: the peak MFU divides by where no data sheet applies."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    synchronize(device)
+    reps, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        reps += 1
+    synchronize(device)
+    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+
+
+def peak_flops(device: torch.device, dtype=torch.float32) -> tuple[float, str]:
+    """(peak FLOP/s of one device, where that number comes from).
+
+    $PEAK_FLOPS overrides; a known GPU uses its data sheet; anything else is measured.
+    """
+    if os.environ.get("PEAK_FLOPS"):
+        return float(os.environ["PEAK_FLOPS"]), "PEAK_FLOPS"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        kind = "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else \
+            {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "bfloat16"}[dtype]
+        for gpu, peaks in GPU_PEAK_FLOPS.items():
+            if gpu in name:
+                return peaks[kind], f"{gpu} data sheet ({kind})"
+    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the GPU: without it, timers measure only how fast work was queued."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak GPU memory allocated by tensors, or on the CPU the process's peak resident size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Throughput:
+    """Tokens per second over training steps, leaving out the first (warm-up) step."""
+
+    def __init__(self, device: torch.device, warmup_steps: int = 1):
+        self.device, self.warmup_steps = device, warmup_steps
+        self.steps, self.tokens, self.start = 0, 0, None
+
+    def step(self, tokens: int) -> None:
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            synchronize(self.device)
+            self.start = time.perf_counter()
+        elif self.steps > self.warmup_steps:
+            self.tokens += tokens
+
+    def tokens_per_s(self) -> float:
+        if self.start is None or self.tokens == 0:
+            return float("nan")
+        synchronize(self.device)
+        return self.tokens / (time.perf_counter() - self.start)
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))  # exp overflows past ~700; 50 is already "untrained"
+
+
+class MetricLogger:
+    """Scalars to TensorBoard or wandb (offline), on the root process only.
+
+    Each backend is imported only when chosen, so neither is needed for `--logger none`.
+    """
+
+    def __init__(self, kind: str, out_dir: str | os.PathLike, config: dict, name: str):
+        self.kind = kind if is_root_process() else "none"
+        self.writer = self.run = None
+        out_dir = Path(out_dir)
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=str(out_dir / "tensorboard"))
+        elif self.kind == "wandb":
+            import wandb
+            # Compute nodes have no internet: log offline, then `wandb sync` from a login node.
+            os.environ.setdefault("WANDB_MODE", "offline")
+            os.environ.setdefault("WANDB_DIR", str(out_dir))
+            os.environ.setdefault("WANDB_CACHE_DIR", str(out_dir / "wandb-cache"))
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.run = wandb.init(project="distributed-training-course", name=name,
+                                  config=config, dir=str(out_dir))
+        elif self.kind != "none":
+            raise ValueError(f"unknown logger {kind!r}: use none, tensorboard or wandb")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.writer is not None:
+            for k, v in metrics.items():
+                self.writer.add_scalar(k, v, step)
+        if self.run is not None:
+            self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        if self.run is not None:
+            self.run.finish()
+
+
+def write_summary(out_dir: str | os.PathLike, summary: dict) -> Path:
+    """OUT_DIR/summary.json from the root process: what tests and benchmarks read back."""
+    path = Path(out_dir) / "summary.json"
+    if is_root_process():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=1) + "\n")
+        os.replace(tmp, path)
+    return path
