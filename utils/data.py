@@ -123,7 +123,7 @@ def synthetic_splits(n_train: int = 100_000, n_eval: int = 10_000, vocab_size: i
     jump = (torch.rand(total, generator=g) < 0.1).tolist()
     random_word = torch.randint(vocab_size, (total,), generator=g).tolist()
     line_len = torch.randint(5, 25, (total,), generator=g).tolist()
-    words, word, lines, line = [], 0, [], []
+    word, lines, line = 0, [], []
     for i in range(total):
         word = random_word[i] if jump[i] else successors[word][choice[i]]
         line.append(f"w{word}")

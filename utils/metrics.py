@@ -144,6 +144,34 @@ class MetricLogger:
             self.run.finish()
 
 
+def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_history: list,
+                     val_loss: float, test_loss: float, throughput: Throughput,
+                     flops_per_token: float, device: torch.device, start_time: float,
+                     data_parallel_size: int | None = None, **extra) -> dict:
+    """What every training script reports at the end (written as summary.json).
+
+    loss_history holds the global mean training loss of every optimizer step; the global batch
+    is --batch-size times the data-parallel size (the world size unless TP/PP). tokens_per_s
+    counts all ranks; MFU divides by the peak of all devices (see flops_per_token); memory is
+    this rank's peak.
+    """
+    tokens_per_s = throughput.tokens_per_s()
+    peak, peak_source = peak_flops(device)
+    return dict(
+        world_size=world_size, steps=steps,
+        global_batch_size=args.batch_size * (data_parallel_size or world_size),
+        seq_len=cfg.max_seq_len,
+        loss_history=torch.stack(loss_history).tolist() if loss_history else [],
+        val_loss=val_loss, val_ppl=perplexity(val_loss),
+        test_loss=test_loss, test_ppl=perplexity(test_loss),
+        tokens_per_s=tokens_per_s, flops_per_token=flops_per_token,
+        mfu=tokens_per_s * flops_per_token / (peak * world_size),
+        peak_flops_per_device=peak, peak_flops_source=peak_source,
+        peak_mem_bytes=peak_memory_bytes(device), wall_time_s=time.time() - start_time,
+        data=corpus.source, preset=args.preset, model_config=cfg.to_dict(), args=vars(args),
+        **extra)
+
+
 def write_summary(out_dir: str | os.PathLike, summary: dict) -> Path:
     """OUT_DIR/summary.json from the root process: what tests and benchmarks read back."""
     path = Path(out_dir) / "summary.json"

@@ -24,8 +24,8 @@ from torch.utils.data import DataLoader
 from model import TransformerLM, get_config
 from utils.args import base_parser
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, peak_flops,
-                           peak_memory_bytes, perplexity, write_summary)
+from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
+                           training_summary, write_summary)
 # DONE 1: Import what DDP needs: DistributedDataParallel, DistributedSampler, our
 # DistributedEvalSampler, and the helpers from utils/distributed_utils.py.
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -118,22 +118,13 @@ def main():
 
     # ---- evaluation, saving, summary ----
     test_loss = evaluate(model, test_loader, device)
-    tokens_per_s = throughput.tokens_per_s()
-    peak, peak_source = peak_flops(device)
-    summary = dict(
-        script=Path(__file__).name, world_size=world_size, steps=step,
-        global_batch_size=args.batch_size * world_size, seq_len=cfg.max_seq_len,
-        loss_history=torch.stack(loss_history).tolist() if loss_history else [],
-        val_loss=val_loss, val_ppl=perplexity(val_loss),
-        test_loss=test_loss, test_ppl=perplexity(test_loss),
-        tokens_per_s=tokens_per_s, flops_per_token=flops_per_tok,
-        mfu=tokens_per_s * flops_per_tok / (peak * world_size),
-        peak_flops_per_device=peak, peak_flops_source=peak_source,
-        peak_mem_bytes=peak_memory_bytes(device), wall_time_s=time.time() - start_time,
-        data=corpus.source, preset=args.preset, model_config=cfg.to_dict())
+    summary = training_summary(
+        args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
+        val_loss=val_loss, test_loss=test_loss, throughput=throughput,
+        flops_per_token=flops_per_tok, device=device, start_time=start_time)
     # DONE 9: print0
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{tokens_per_s:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     # DONE 10: save0
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
