@@ -1,0 +1,219 @@
+"""The sbatch files, unchanged, on a real Slurm cluster: two nodes with their own hostnames and
+InfiniBand-style names, four (fake) GPUs each, started on this machine by tests/slurm/cluster.sh.
+
+    .venv/bin/python -m pytest -m slurm tests/test_slurm_jobs.py --durations=0   # as root
+
+Without root (or network namespaces) these tests skip, except in CI (CI=true), where they fail.
+See docs/slurm-ci.md. Every training process runs on the CPU with gloo.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
+from slurm_cluster import Cluster, ClusterUnavailable, Job, python_errors  # noqa: E402
+
+pytestmark = pytest.mark.slurm
+
+ROOT = Path(__file__).resolve().parents[1]
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
+PROCS_PER_NODE = 2  # NPROC_PER_NODE: CPU processes per node instead of one per GPU
+# A short real run: the smallest model, a few steps on the small WikiText-2 folder.
+SHORT_RUN = ("--preset", "tiny", "--max-steps", "5", "--log-every", "1")
+
+
+@dataclass(frozen=True)
+class SbatchCase:
+    """One sbatch file as a participant submits it: `sbatch --nodes=N FILE ARGS`."""
+    sbatch: str
+    nodes: int
+    world_size: int               # training processes expected in the job
+    extra_args: tuple = ()        # more training arguments after SHORT_RUN
+
+    def __str__(self):
+        return f"{self.sbatch}-{self.nodes}node"
+
+
+# Add the later steps here (fsdp_training, tp_training, pp_training, nd_training, Lit_training).
+CASES = [
+    # the exercise as shipped: one process (no torchrun)
+    SbatchCase("to_distributed_training.sbatch", nodes=1, world_size=1),
+    # the finished DDP step: torchrun on every node, PROCS_PER_NODE processes each
+    SbatchCase("solutions/to_distributed_training.sbatch", nodes=1, world_size=2),
+    SbatchCase("solutions/to_distributed_training.sbatch", nodes=2, world_size=4),
+]
+
+
+# ------------------------------------------------------------------------------------ fixtures
+def _load_summary_plugin(config):
+    spec = importlib.util.spec_from_file_location("tests_slurm_plugin",
+                                                  ROOT / "tests" / "slurm" / "plugin.py")
+    if not any(getattr(p, "__file__", None) == spec.origin
+               for p in config.pluginmanager.get_plugins()):
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        config.pluginmanager.register(module, "slurm-summary")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _slurm_summary_line(request):
+    """Print 'Slurm cluster tests: N ran ...' at the end of the session."""
+    _load_summary_plugin(request.config)
+
+
+@pytest.fixture(scope="session")
+def slurm() -> Cluster:
+    """One cluster for the session: started on first use, torn down at the end (by PID)."""
+    try:
+        cluster = Cluster.start()
+    except ClusterUnavailable as e:
+        if IN_CI:
+            pytest.fail(f"CI=true but no Slurm test cluster: {e}", pytrace=False)
+        pytest.skip(f"Slurm tests: {e}")
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def text_dir(wikitext2_dir, tmp_path_factory) -> Path:
+    """The first lines of each WikiText-2 split: real text, small enough that evaluating the
+    whole validation and test split takes a moment (these tests check the plumbing, not the
+    model)."""
+    folder = tmp_path_factory.mktemp("wikitext-2-slice")
+    for split, lines in (("train", 1000), ("valid", 150), ("test", 150)):
+        with open(wikitext2_dir / f"{split}.txt") as f:
+            (folder / f"{split}.txt").write_text("".join(f.readline() for _ in range(lines)))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def job_env(data_cache) -> dict:
+    """Knobs the sbatch files read from the submitter's environment."""
+    return {"NPROC_PER_NODE": PROCS_PER_NODE, "COURSE_DATA_CACHE": data_cache}
+
+
+def train(slurm: Cluster, case: SbatchCase, out_dir: Path, data_dir: Path, job_env: dict,
+          *more_args, deadline: float = 150) -> Job:
+    args = (*SHORT_RUN, "--data-dir", data_dir, "--out-dir", out_dir, *case.extra_args,
+            *more_args)
+    return slurm.sbatch(case.sbatch, *args, nodes=case.nodes, output=out_dir / "job.out",
+                        env={**job_env, "OUT_DIR": out_dir}, deadline=deadline)
+
+
+# ------------------------------------------------------------------------------------ tests
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_sbatch_file_trains_on_every_node_with_the_expected_ranks(slurm, case, tmp_path,
+                                                                   text_dir, job_env):
+    out = tmp_path / "run"
+    job = train(slurm, case, out, text_dir, job_env)
+    assert job.completed, job.describe()
+    log, why = job.log, job.describe()
+    nodes = slurm.hostnames(job.node_list)
+    assert len(nodes) == case.nodes, why
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == case.world_size, why
+    assert summary["steps"] == 5 and len(summary["loss_history"]) == 5, why
+    assert all(key in summary for key in ("val_loss", "test_loss")), why
+
+    # Rank 0 alone prints the training log (print0): each line once, not once per rank.
+    for line_start in ("data: ", "epoch 0 step 5 loss", "test loss "):
+        assert sum(l.startswith(line_start) for l in log.splitlines()) == 1, \
+            f"expected one line starting {line_start!r}\n{why}"
+
+    setups = job.setup_lines()
+    if case.world_size == 1:
+        assert setups == [], why  # a single process joins no group and says nothing
+        return
+    # Every process reported in, with its own rank, on the nodes of the job.
+    assert len(setups) == case.world_size, why
+    assert sorted(int(s["rank"]) for s in setups) == list(range(case.world_size)), why
+    assert {s["world_size"] for s in setups} == {str(case.world_size)}, why
+    assert {s["host"] for s in setups} == set(nodes), why
+    for node in nodes:
+        local_ranks = sorted(int(s["local_rank"]) for s in setups if s["host"] == node)
+        assert local_ranks == list(range(case.world_size // case.nodes)), why
+    if slurm.local:  # no CUDA here: every rank must have fallen back to the CPU and gloo
+        assert {(s["device"], s["backend"]) for s in setups} == {("cpu", "gloo")}, why
+
+    # The rendezvous: the sbatch file picked node 0's InfiniBand address, once.
+    master = job.master_line()
+    assert master is not None and master["count"] == 1, why
+    if slurm.local:
+        assert master["addr"] == slurm.addresses()[nodes[0] + "i"], why
+    # The processes agree on one master, and it is node 0 (torchrun hands its workers the
+    # hostname of the rendezvous host, not the address it was given).
+    assert len({(s["master_addr"], s["master_port"]) for s in setups}) == 1, why
+    assert names_node(setups[0]["master_addr"], nodes[0], master["addr"]), why
+
+
+def names_node(name: str, node: str, address: str) -> bool:
+    """`name` is `node`, its i-name (maybe with a domain) or its address."""
+    return name == address or name.split(".")[0] in (node, node + "i")
+
+
+def test_a_bad_training_argument_fails_the_job_with_the_python_error(slurm, tmp_path,
+                                                                     text_dir, job_env):
+    case = SbatchCase("solutions/to_distributed_training.sbatch", nodes=1, world_size=2)
+    job = train(slurm, case, tmp_path, text_dir, job_env, "--preset", "no-such-preset",
+                deadline=90)
+    assert job.state == "FAILED", job.describe()
+    report = job.describe()
+    assert "invalid choice: 'no-such-preset'" in report.split("--- job log")[0], report
+    assert not (tmp_path / "summary.json").exists()
+
+
+# ------------------------------------------------------------------------ the harness itself
+def test_a_two_node_job_sees_both_hostnames_gpus_and_infiniband_names(slurm, tmp_path):
+    script = tmp_path / "probe.sbatch"
+    script.write_text("""#!/bin/bash
+#SBATCH --ntasks-per-node=1
+#SBATCH --gres=gpu:4
+#SBATCH --cpus-per-task=32
+set -euo pipefail
+echo "hostnames: $(scontrol show hostnames "$SLURM_JOB_NODELIST" | tr '\\n' ' ')"
+srun bash -c 'for n in $(scontrol show hostnames "$SLURM_JOB_NODELIST"); do
+  echo "on $(hostname) node $SLURM_NODEID gpus $CUDA_VISIBLE_DEVICES: ${n}i is" \\
+       "$(nslookup "${n}i" | awk "/^Address: / {print \\$2}")"; done'
+""")
+    job = slurm.sbatch(script, nodes=2, output=tmp_path / "probe.out", cwd=tmp_path, deadline=60)
+    assert job.completed, job.describe()
+    names = job.log.split("hostnames: ")[1].split("\n")[0].split()
+    assert len(names) == 2 and names == slurm.hostnames(job.node_list), job.describe()
+    lines = [l for l in job.log.splitlines() if l.startswith("on ")]
+    assert len(lines) == 4, job.describe()  # each node resolves both i-names
+    hosts = set()
+    for line in lines:
+        words = line.split()  # on HOST node ID gpus DEVS: NAMEi is ADDR
+        hosts.add(words[1])
+        assert words[5] == "0,1,2,3:", job.describe()
+        if slurm.local:
+            assert words[8] == slurm.addresses()[words[6]], job.describe()
+    assert hosts == set(names), job.describe()
+
+
+def test_a_job_that_outlives_its_deadline_is_cancelled_and_reported(slurm, tmp_path):
+    script = tmp_path / "hang.sbatch"
+    script.write_text("#!/bin/bash\necho started; sleep 600\n")
+    job = slurm.sbatch(script, output=tmp_path / "hang.out", cwd=tmp_path, deadline=3)
+    assert job.timed_out and job.state == "CANCELLED", job.describe()
+    assert "did not finish within its deadline of 3 s" in job.describe()
+    assert "started" in job.describe()
+
+
+def test_python_errors_finds_argparse_messages_and_exceptions():
+    log = ("usage: x.py [-h]\nx.py: error: argument --preset: invalid choice: 'zz'\n"
+           "Traceback (most recent call last):\n  File \"x.py\", line 1\n    boom()\n"
+           "ValueError: bad value\n[rank1]: x.py: error: argument --preset: invalid choice: 'zz'\n")
+    assert python_errors(log) == ["x.py: error: argument --preset: invalid choice: 'zz'",
+                                  "ValueError: bad value"]
