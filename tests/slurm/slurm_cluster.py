@@ -71,7 +71,7 @@ class Job:
     node_list: str = ""
     elapsed: float = 0.0
     deadline: float = 0.0
-    timed_out: bool = False  # cancelled by us at the deadline
+    cancelled: str = ""     # why the harness cancelled it (deadline, queue wait), or ""
     fields: dict = field(default_factory=dict, repr=False)
     daemon_log: str = field(default="", repr=False)  # local cluster: what slurmd said
 
@@ -100,9 +100,9 @@ class Job:
         head = (f"job {self.id} [{self.command}] ended {self.state} (exit {self.exit_code}"
                 f"{', ' + self.reason if self.reason not in ('', 'None') else ''}) "
                 f"after {self.elapsed:.0f} s on {self.node_list or 'no node'}")
-        if self.timed_out:
-            head = (f"job {self.id} [{self.command}] did not finish within its deadline of "
-                    f"{self.deadline:.0f} s: cancelled with scancel (state {self.state})")
+        if self.cancelled:
+            head = (f"job {self.id} [{self.command}] {self.cancelled}: cancelled with scancel "
+                    f"(state {self.state})")
         errors = python_errors(self.log)
         parts = [head]
         if errors:
@@ -129,6 +129,10 @@ class Cluster:
         self.state_dir = state_dir
         self.started_here = started_here
         self.local = bin_dir is not None
+        # Longest wait in the queue before a job is cancelled: none on the private cluster, a
+        # real one may be busy. (The deadline of a job counts from its start.)
+        self.pending_limit = 60.0 if self.local else float(
+            os.environ.get("SLURM_HARNESS_PENDING_LIMIT", 3600))
 
     # ---------------------------------------------------------------- life cycle
     @classmethod
@@ -205,37 +209,47 @@ class Cluster:
             return None
         return dict(re.findall(r"(\w+(?:/\w+)?)=(\S*)", proc.stdout))
 
-    def wait(self, job_id: str, deadline: float, poll: float = 1.0) -> tuple[dict, bool]:
-        """Poll each `poll` seconds until the job has ended; scancel it at the deadline."""
-        end = time.monotonic() + deadline
+    def wait(self, job_id: str, deadline: float, poll: float = 1.0) -> tuple[dict, str]:
+        """Poll each `poll` seconds until the job has ended. Cancel it (scancel) when it has run
+        for more than `deadline` seconds, or waited in the queue for more than pending_limit.
+        Returns scontrol's fields and why it was cancelled ("" if it was not)."""
+        submitted, started, cancelled_at, why = time.monotonic(), None, 0.0, ""
         fields: dict = {}
-        timed_out = False
         while True:
             fields = self.job_fields(job_id) or fields
-            if fields.get("JobState") in FINAL_STATES:
-                return fields, timed_out
-            if time.monotonic() > end:
-                if not timed_out:
+            state = fields.get("JobState", "")
+            if state in FINAL_STATES:
+                return fields, why
+            now = time.monotonic()
+            if started is None and state not in ("", "PENDING"):
+                started = now
+            if not why:
+                if started is not None and now - started > deadline:
+                    why = f"did not finish within its deadline of {deadline:.0f} s"
+                elif started is None and now - submitted > self.pending_limit:
+                    why = (f"was still waiting in the queue after {self.pending_limit:.0f} s "
+                           f"(Reason={fields.get('Reason')})")
+                if why:
                     self.run("scancel", job_id, check=False)
-                    timed_out, end = True, time.monotonic() + 30  # time to be killed
-                else:
-                    return fields, timed_out
+                    cancelled_at = now
+            elif now - cancelled_at > 30:  # Slurm could not end it: give up
+                return fields, why
             time.sleep(poll)
 
     def sbatch(self, script: str | Path, *args, output: Path, nodes: int | None = None,
                sbatch_options=(), env: dict | None = None, deadline: float = 180,
                cwd: Path = ROOT) -> Job:
-        """Submit, wait (at most `deadline` seconds, then scancel), return the Job."""
+        """Submit, wait (at most `deadline` seconds of running, then scancel), return the Job."""
         options = ([f"--nodes={nodes}"] if nodes else []) + list(sbatch_options)
         command = shlex.join(["sbatch", *options, str(script), *map(str, args)])
         start = time.monotonic()
         job_id = self.submit(script, *args, output=output, sbatch_options=options, env=env,
                              cwd=cwd)
-        fields, timed_out = self.wait(job_id, deadline)
+        fields, cancelled = self.wait(job_id, deadline)
         return Job(id=job_id, command=command, output=output,
                    state=fields.get("JobState", "UNKNOWN"), exit_code=fields.get("ExitCode", ""),
                    reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
-                   elapsed=time.monotonic() - start, deadline=deadline, timed_out=timed_out,
+                   elapsed=time.monotonic() - start, deadline=deadline, cancelled=cancelled,
                    fields=fields, daemon_log=self.daemon_lines(job_id))
 
     def daemon_lines(self, job_id: str, limit: int = 12) -> str:
