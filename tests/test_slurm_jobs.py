@@ -21,7 +21,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
 from slurm_cluster import Cluster, ClusterUnavailable, Job, python_errors  # noqa: E402
 
-pytestmark = pytest.mark.slurm
+# A job may wait in the queue for another session's jobs (see Cluster.pending_limit).
+pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
@@ -214,8 +215,13 @@ def test_a_job_that_outlives_its_deadline_is_cancelled_and_reported(slurm, tmp_p
 
 
 def test_python_errors_finds_argparse_messages_and_exceptions():
-    log = ("usage: x.py [-h]\nx.py: error: argument --preset: invalid choice: 'zz'\n"
+    log = ("Traceback (most recent call last):\n  File \"torchrun\", line 8\n"
+           "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+           "usage: x.py [-h]\nx.py: error: argument --preset: invalid choice: 'zz'\n"
            "Traceback (most recent call last):\n  File \"x.py\", line 1\n    boom()\n"
            "ValueError: bad value\n[rank1]: x.py: error: argument --preset: invalid choice: 'zz'\n")
-    assert python_errors(log) == ["x.py: error: argument --preset: invalid choice: 'zz'",
-                                  "ValueError: bad value"]
+    assert python_errors(log) == [
+        "x.py: error: argument --preset: invalid choice: 'zz'", "ValueError: bad value",
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
+    assert python_errors("/v/bin/python: can't open file '/r/t.py': [Errno 2] No such file") \
+        == ["/v/bin/python: can't open file '/r/t.py': [Errno 2] No such file"]

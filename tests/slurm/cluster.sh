@@ -4,6 +4,9 @@
 #   bash tests/slurm/cluster.sh up       # install what is missing, start the cluster
 #   bash tests/slurm/cluster.sh status   # daemons, nodes; exit 0 when up, 3 when down
 #   bash tests/slurm/cluster.sh down     # stop every process by PID, delete the namespaces
+#   bash tests/slurm/cluster.sh logs     # the ends of the daemons' logs
+# The tests call `acquire PID` (up if needed) and `release PID` (down after the last user,
+# unless started with `up`), so test sessions that run at the same time share one cluster.
 #   export PATH=/tmp/slurm-harness/bin:$PATH   # then sbatch, squeue, scontrol, ... talk to it
 #
 # Layout (all private to this machine, nothing is routed anywhere else):
@@ -160,7 +163,7 @@ start() {
     setsid nsenter --net="/run/netns/$ns" unshare --uts --mount -- /bin/sh -c '
         hostname "$1" && mount --bind "$2/etc/hosts" /etc/hosts &&
         mount --bind "$2/etc/resolv.conf" /etc/resolv.conf && shift 2 && exec "$@"' \
-        sh "$host" "$STATE" "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 &
+        sh "$host" "$STATE" "$@" </dev/null >>"$STATE/log/$name.out" 2>&1 9>&- &
     echo $! >"$STATE/pids/$name"
 }
 
@@ -171,7 +174,7 @@ start_daemons() {
         /usr/sbin/munged --foreground --socket="$STATE/munge/munge.socket" \
         --key-file="$STATE/munge/munge.key" --pid-file="$STATE/munge/munged.pid" \
         --seed-file="$STATE/munge/munged.seed" --log-file="$STATE/munge/munged.log" \
-        </dev/null >>"$STATE/log/munged.out" 2>&1 &
+        </dev/null >>"$STATE/log/munged.out" 2>&1 9>&- &
     echo $! >"$STATE/pids/munged"
 
     # No upstream servers, every name answered locally (--local=/#/): names it does not
@@ -179,7 +182,7 @@ start_daemons() {
     setsid nsenter --net="/run/netns/$ctl" dnsmasq --keep-in-foreground --conf-file=/dev/null \
         --no-resolv --no-hosts --no-poll --local=/#/ --bind-interfaces --listen-address="$NET.1" \
         --user=root --pid-file= --log-facility="$STATE/log/dnsmasq.log" --addn-hosts="$STATE/etc/dns-hosts" \
-        </dev/null >>"$STATE/log/dnsmasq.out" 2>&1 &
+        </dev/null >>"$STATE/log/dnsmasq.out" 2>&1 9>&- &
     echo $! >"$STATE/pids/dnsmasq"
 
     local t
@@ -250,7 +253,7 @@ down() {
 }
 
 status() {
-    if check_alive && ip netns list | grep -q "^$PREFIX-ctl\b"; then
+    if is_up; then
         local f
         for f in "$STATE"/pids/*; do echo "$(basename "$f") pid $(cat "$f")"; done
         client sinfo -N -o '%N %P %T %c %m %G' || return 3
@@ -261,8 +264,13 @@ status() {
     return 3
 }
 
+is_up() {
+    check_alive 2>/dev/null && ip netns list | grep -q "^$PREFIX-ctl\b" &&
+        client scontrol ping 2>/dev/null | grep -q "is UP"
+}
+
 up() {
-    if check_alive 2>/dev/null && ip netns list | grep -q "^$PREFIX-ctl\b"; then
+    if is_up; then
         log "already up (state in $STATE)"
         return 0
     fi
@@ -278,10 +286,43 @@ up() {
     log "up in $((SECONDS - t0)) s: $(node_names | tr '\n' ' ')partition(s) $PARTITIONS; clients: export PATH=$STATE/bin:\$PATH"
 }
 
+# Test sessions share one cluster: each holds a lease (a file named after its PID) from
+# `acquire` to `release`; the last release stops the cluster unless it was started by hand.
+acquire() {
+    [[ ${1:-} =~ ^[0-9]+$ ]] || die "usage: $0 acquire PID"
+    up
+    mkdir -p "$STATE/leases"
+    touch "$STATE/leases/$1"
+}
+
+release() {
+    [[ ${1:-} =~ ^[0-9]+$ ]] || die "usage: $0 release PID"
+    rm -f "$STATE/leases/$1"
+    local f
+    for f in "$STATE"/leases/*; do   # leases of sessions that died
+        [[ -e $f ]] && ! kill -0 "$(basename "$f")" 2>/dev/null && rm -f "$f"
+    done
+    if compgen -G "$STATE/leases/*" >/dev/null; then
+        log "still used by PIDs $(ls "$STATE/leases" | tr '\n' ' ')"
+    elif [[ -e $STATE/manual ]]; then
+        log "left running (started with cluster.sh up; stop it with cluster.sh down)"
+    else
+        down
+    fi
+}
+
+locked() { # one up/down/acquire/release at a time (the daemons do not inherit fd 9)
+    exec 9>>"$STATE.lock"
+    flock 9
+    "$@"
+}
+
 case ${1:-} in
-    up) up ;;
-    down) down ;;
+    up) locked up && touch "$STATE/manual" ;;
+    down) locked down ;;
+    acquire) locked acquire "${2:-}" ;;
+    release) locked release "${2:-}" ;;
     status) status ;;
     logs) log_tails; echo ;;
-    *) echo "usage: $0 up|down|status|logs" >&2; exit 2 ;;
+    *) echo "usage: $0 up|down|status|logs|acquire PID|release PID" >&2; exit 2 ;;
 esac

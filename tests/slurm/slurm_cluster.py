@@ -2,8 +2,8 @@
 
 Two kinds of cluster:
 - local (default): the private two-node cluster that tests/slurm/cluster.sh starts on this
-  machine (needs root). It is started once per test session and stopped at the end, unless it
-  was already up (then it is left running for the next session).
+  machine (needs root). It is started once per test session and stopped at the end, unless
+  another session still uses it or it was started by hand (`cluster.sh up`).
 - external (SLURM_HARNESS=external): the Slurm on PATH, e.g. on a real cluster's login node.
   Account, partition and reservation come from SBATCH_ACCOUNT/SBATCH_PARTITION/SBATCH_RESERVATION.
 """
@@ -43,19 +43,21 @@ class ClusterUnavailable(Exception):
 
 def python_errors(log: str) -> list[str]:
     """The lines of a log that say what went wrong in Python: the last line of every traceback,
-    argparse's `prog: error: ...` and `error: ...` lines of sys.exit. Duplicates (one per rank)
-    are dropped, order is kept."""
+    argparse's `prog: error: ...`, the `error: ...` of sys.exit and python's "can't open file".
+    Duplicates (one per rank) are dropped; torchrun's ChildFailedError, which only says that a
+    worker failed, comes last."""
     found = []
     lines = log.splitlines()
     for i, line in enumerate(lines):
         text = re.sub(r"^\[\S+\]:", "", line).strip()  # torchrun --tee prefixes
-        if re.match(r"^([\w.-]+\.py: )?error: ", text):
+        if re.match(r"^([\w.-]+\.py: )?error: ", text) or re.search(r"python[\d.]*: can't open file", text):
             found.append(text)
         elif line.startswith("Traceback (most recent call last)"):
             for nxt in lines[i + 1:]:
                 if nxt and not nxt.startswith((" ", "\t")) and not nxt.startswith("Traceback"):
                     found.append(nxt.strip())
                     break
+    found.sort(key=lambda e: "ChildFailedError" in e)  # stable: keeps the order otherwise
     return list(dict.fromkeys(found))
 
 
@@ -123,16 +125,15 @@ class Job:
 class Cluster:
     """Client side of a Slurm cluster: sbatch, scontrol and scancel with a deadline per job."""
 
-    def __init__(self, bin_dir: Path | None, state_dir: Path | None = None,
-                 started_here: bool = False):
+    def __init__(self, bin_dir: Path | None, state_dir: Path | None = None):
         self.bin_dir = bin_dir          # the local cluster's client wrappers, or None for PATH
         self.state_dir = state_dir
-        self.started_here = started_here
         self.local = bin_dir is not None
-        # Longest wait in the queue before a job is cancelled: none on the private cluster, a
-        # real one may be busy. (The deadline of a job counts from its start.)
-        self.pending_limit = 60.0 if self.local else float(
-            os.environ.get("SLURM_HARNESS_PENDING_LIMIT", 3600))
+        # Longest wait in the queue before a job is cancelled (the deadline of a job counts from
+        # its start). On the private cluster jobs wait only for another test session's jobs
+        # (a --gres=gpu:4 job has a node's GPUs to itself); a real cluster may be busy.
+        self.pending_limit = float(os.environ.get("SLURM_HARNESS_PENDING_LIMIT",
+                                                  240 if self.local else 3600))
 
     # ---------------------------------------------------------------- life cycle
     @classmethod
@@ -147,24 +148,25 @@ class Cluster:
                 "the local Slurm test cluster needs root on Linux (network namespaces, slurmd); "
                 "run pytest as root, or SLURM_HARNESS=external on a cluster's login node")
         state = Path(os.environ.get("SLURM_HARNESS_DIR", "/tmp/slurm-harness"))
-        env = dict(os.environ, SLURM_HARNESS_DIR=str(state))
-        was_up = subprocess.run(["bash", str(CLUSTER_SH), "status"], env=env,
-                                capture_output=True, text=True).returncode == 0
-        if not was_up:
-            proc = subprocess.run(["bash", str(CLUSTER_SH), "up"], env=env, capture_output=True,
-                                  text=True, timeout=240, stdin=subprocess.DEVNULL)
-            if proc.returncode == SKIP_EXIT_CODE:
-                raise ClusterUnavailable(proc.stderr.strip().splitlines()[-1])
-            if proc.returncode != 0:
-                raise RuntimeError(f"tests/slurm/cluster.sh up failed (exit {proc.returncode}):\n"
-                                   f"{proc.stdout}{proc.stderr}")
-        return cls(bin_dir=state / "bin", state_dir=state, started_here=not was_up)
+        cluster = cls(bin_dir=state / "bin", state_dir=state)
+        # Up if needed, and a lease for this process: sessions running at once share the cluster.
+        proc = cluster._cluster_sh("acquire", str(os.getpid()), timeout=240)
+        if proc.returncode == SKIP_EXIT_CODE:
+            raise ClusterUnavailable(proc.stderr.strip().splitlines()[-1])
+        if proc.returncode != 0:
+            raise RuntimeError(f"tests/slurm/cluster.sh acquire failed (exit {proc.returncode}):\n"
+                               f"{proc.stdout}{proc.stderr}")
+        return cluster
 
     def stop(self) -> None:
-        """Tear the local cluster down if this session started it."""
-        if self.local and self.started_here:
-            subprocess.run(["bash", str(CLUSTER_SH), "down"], capture_output=True, timeout=120,
-                           env=dict(os.environ, SLURM_HARNESS_DIR=str(self.state_dir)))
+        """Give up this session's lease; the last one out stops the local cluster."""
+        if self.local:
+            self._cluster_sh("release", str(os.getpid()), timeout=120)
+
+    def _cluster_sh(self, *args, timeout: float) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(CLUSTER_SH), *args], capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL,
+                              env=dict(os.environ, SLURM_HARNESS_DIR=str(self.state_dir)))
 
     # ---------------------------------------------------------------- commands
     def command(self, name: str) -> str:
