@@ -7,7 +7,6 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from conftest import ROOT
 from distributed import run_distributed

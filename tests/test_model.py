@@ -66,7 +66,6 @@ def test_attention_takes_the_head_count_from_its_projection_width():
     attn = build().layers["0"].attn
     half = CFG.d_model // 2
     for name in ("q_proj", "k_proj", "v_proj"):
-        proj = getattr(attn, name)
         setattr(attn, name, torch.nn.Linear(CFG.d_model, half))
     attn.out_proj = torch.nn.Linear(half, CFG.d_model)
     assert attn(torch.randn(2, 16, CFG.d_model)).shape == (2, 16, CFG.d_model)
