@@ -62,3 +62,14 @@ def test_every_course_file_has_an_exercise_and_a_solution_in_the_known_places():
     for src in exercises.sources():
         rel = src.relative_to(exercises.SOURCE_DIR)
         assert (ROOT / rel).is_file() and (ROOT / "solutions" / rel).is_file()
+
+
+def test_slides_cite_only_todo_numbers_that_exist_and_never_line_numbers():
+    import re
+    existing = set().union(*(exercises.todo_numbers(s.read_text()) for s in exercises.sources()))
+    for slide in (ROOT / "slides").glob("*.md"):
+        text = slide.read_text()
+        for first, last in re.findall(r"TODO (\d+)(?:\s*[–-]\s*(\d+))?", text):
+            cited = range(int(first), int(last or first) + 1)
+            assert set(cited) <= existing, f"{slide.name} cites TODO {first}-{last} that do not exist"
+        assert not re.search(r"\bline \d+", text, re.IGNORECASE), f"{slide.name} cites a line number"
