@@ -275,7 +275,6 @@ up() {
         return 0
     fi
     local t0=$SECONDS
-    [[ -d $STATE ]] || mkdir -p "$(dirname "$STATE")"
     preflight
     down 2>/dev/null || true     # leftovers of an earlier run
     STARTING=1
@@ -312,6 +311,7 @@ release() {
 }
 
 locked() { # one up/down/acquire/release at a time (the daemons do not inherit fd 9)
+    mkdir -p "$(dirname "$STATE")"
     exec 9>>"$STATE.lock"
     flock 9
     "$@"
