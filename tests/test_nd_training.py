@@ -32,9 +32,10 @@ def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(tmp_p
     assert nd["loss_history"] == pytest.approx(ref["loss_history"], rel=1e-5)
     assert nd["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
     assert nd["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-5)
-    # Every rank holds about an eighth of the model.
+    # Every rank holds about an eighth of the model (the LayerNorms, the position table and
+    # the row-wise biases are small and kept whole on both ranks of a TP pair).
     whole = TransformerLM(get_config("tiny", vocab_size=502)).num_params()
-    assert sum(nd["params_per_rank"]) == whole
+    assert whole <= sum(nd["params_per_rank"]) < 1.05 * whole
     assert max(nd["params_per_rank"]) < whole / 8 * 1.1
 
     # The 3-D sharded checkpoint loads into the unsplit model and holds the trained weights.
