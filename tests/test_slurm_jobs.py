@@ -38,6 +38,7 @@ class SbatchCase:
     nodes: int
     world_size: int               # training processes expected in the job
     extra_args: tuple = ()        # more training arguments after SHORT_RUN
+    procs_per_node: int = PROCS_PER_NODE
 
     def __str__(self):
         return f"{self.sbatch}-{self.nodes}node"
@@ -54,8 +55,9 @@ CASES = [
     SbatchCase("solutions/tp_training.sbatch", nodes=2, world_size=4),
     # Lightning: srun starts NPROC_PER_NODE tasks per node, no torchrun
     SbatchCase("solutions/Lit_training.sbatch", nodes=2, world_size=4),
-    # SbatchCase("solutions/pp_training.sbatch", nodes=2, world_size=4),
-    # SbatchCase("solutions/nd_training.sbatch", nodes=2, world_size=4, extra_args=(...)),
+    # one stage per rank, and the tiny model has 2 layers: one process per node
+    SbatchCase("solutions/pp_training.sbatch", nodes=2, world_size=2, procs_per_node=1),
+    SbatchCase("solutions/nd_training.sbatch", nodes=2, world_size=4),
 ]
 
 
@@ -116,7 +118,8 @@ def train(slurm: Cluster, case: SbatchCase, out_dir: Path, data_dir: Path, job_e
     args = (*SHORT_RUN, "--data-dir", data_dir, "--out-dir", out_dir, *case.extra_args,
             *more_args)
     return slurm.sbatch(case.sbatch, *args, nodes=case.nodes, output=out_dir / "job.out",
-                        env={**job_env, "OUT_DIR": out_dir}, deadline=deadline)
+                        env={**job_env, "OUT_DIR": out_dir, "NPROC_PER_NODE": case.procs_per_node},
+                        deadline=deadline)
 
 
 # ------------------------------------------------------------------------------------ tests
