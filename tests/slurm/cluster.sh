@@ -22,6 +22,7 @@
 # /tmp/slurm-harness), SLURM_HARNESS_NODES (default 2), SLURM_HARNESS_PARTITIONS
 # (space-separated, the first is the default; default "dc-gpu").
 set -euo pipefail
+export PATH=$PATH:/usr/sbin:/sbin:/usr/bin:/bin   # ip, dnsmasq, ... also from a minimal PATH
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 STATE=${SLURM_HARNESS_DIR:-/tmp/slurm-harness}
