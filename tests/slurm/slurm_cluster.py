@@ -50,7 +50,8 @@ def python_errors(log: str) -> list[str]:
     lines = log.splitlines()
     for i, line in enumerate(lines):
         text = re.sub(r"^\[\S+\]:", "", line).strip()  # torchrun --tee prefixes
-        if re.match(r"^([\w.-]+\.py: )?error: ", text) or re.search(r"python[\d.]*: can't open file", text):
+        if (re.match(r"^([\w.-]+\.py: )?error: ", text)
+                or re.search(r"python[\d.]*: can't open file", text)):
             found.append(text)
         elif line.startswith("Traceback (most recent call last)"):
             for nxt in lines[i + 1:]:
@@ -259,9 +260,10 @@ class Cluster:
         if not self.local:
             return ""
         found = []
+        about_job = re.compile(rf"\[{job_id}\.\w+\]|\b(JobId|job|StepId)[= _]?{job_id}\b")
         for path in sorted((self.state_dir / "log").glob("*.log")):
             for line in path.read_text(errors="replace").splitlines():
-                if "error" in line and re.search(rf"\[{job_id}\.\w+\]|\b(JobId|job|StepId)[= _]?{job_id}\b", line):
+                if "error" in line and about_job.search(line):
                     found.append(f"{path.name}: {line}")
         return "\n".join(found[-limit:])
 
@@ -274,5 +276,6 @@ class Cluster:
         """Name -> address as the local cluster's DNS answers (nodeN and nodeNi); {} if external."""
         if not self.local:
             return {}
-        pairs = (line.split() for line in (self.state_dir / "etc" / "dns-hosts").read_text().splitlines())
+        dns_hosts = (self.state_dir / "etc" / "dns-hosts").read_text()
+        pairs = (line.split() for line in dns_hosts.splitlines())
         return {name: addr for addr, name in pairs}
