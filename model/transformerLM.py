@@ -70,22 +70,28 @@ class LitTransformerLM(L.LightningModule):
         logits = self(x)
         loss_sum = F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                    ignore_index=IGNORE_INDEX)
-        tokens = int((y != IGNORE_INDEX).sum())  # padding samples have no targets
-        # Lightning's epoch value of a logged number is the batch_size-weighted mean: it adds up
-        # value * batch_size and batch_size over the steps and, with sync_dist, over the ranks.
-        # With the token count as batch_size that is (all loss sums) / (all tokens): the
-        # single-GPU loss, as TODO 8 of the DDP lesson computes by hand. float64: long sums.
-        self.log(f"{split}/loss", loss_sum.double() / max(tokens, 1), batch_size=tokens,
-                 on_step=False, on_epoch=True, sync_dist=True)
+        tokens = (y != IGNORE_INDEX).sum()  # padding samples have no targets
+        # As in TODO 8 of the DDP lesson: add up loss sums and token counts over the steps and
+        # (sync_dist) over the ranks, then divide once at the end of the epoch: the single-GPU loss.
+        # Logging the batch's mean loss instead would average per-rank means; and its
+        # batch_size-weighted mean is not exact either (Lightning 2.6 truncates the summed
+        # batch sizes to an integer when it averages them over ranks). float64: long sums.
+        self.log(f"{split}/loss_sum", loss_sum.double(), reduce_fx="sum", sync_dist=True,
+                 on_step=False, on_epoch=True, logger=False)
+        self.log(f"{split}/tokens", tokens.double(), reduce_fx="sum", sync_dist=True,
+                 on_step=False, on_epoch=True, logger=False)
 
     def on_validation_epoch_end(self) -> None:
-        self._log_perplexity("val")
+        self._log_epoch_loss("val")
 
     def on_test_epoch_end(self) -> None:
-        self._log_perplexity("test")
+        self._log_epoch_loss("test")
 
-    def _log_perplexity(self, split: str) -> None:
-        # Lightning has reduced the epoch's loss (over steps and ranks) before this hook runs.
+    def _log_epoch_loss(self, split: str) -> None:
+        # Lightning has reduced the epoch's sums (over steps and ranks) before this hook runs.
+        sums = self.trainer.callback_metrics
+        loss = sums[f"{split}/loss_sum"] / sums[f"{split}/tokens"]
+        # The same number on every rank already; sync_dist (a mean of equal values) changes nothing.
         # Perplexity is exp(mean loss), not the mean of per-batch perplexities.
-        loss = self.trainer.callback_metrics[f"{split}/loss"]
-        self.log(f"{split}/ppl", torch.exp(loss.clamp(max=50.0)), sync_dist=True)
+        self.log_dict({f"{split}/loss": loss, f"{split}/ppl": torch.exp(loss.clamp(max=50.0))},
+                      sync_dist=True)

@@ -85,9 +85,13 @@ def test_ddp_validation_loss_logged_by_lightning_equals_a_plain_evaluation_of_th
     val_loss, test_loss = plain_loss(model, corpus.valid), plain_loss(model, corpus.test)
     assert summary["val_loss"] == pytest.approx(val_loss, rel=1e-6, abs=0)
     assert summary["test_loss"] == pytest.approx(test_loss, rel=1e-6, abs=0)
-    # TensorBoard got the same number, at the last step, in the plain scripts' log folder.
+    # TensorBoard, in the plain scripts' folder, got the same numbers. Lightning's x-axis counts
+    # the steps before the current one: the last training loss and validation are at STEPS - 1.
+    train_logged = tensorboard_scalars(out / "tensorboard", "train/loss")
+    assert [step for step, _ in train_logged] == list(range(STEPS))
+    assert [v for _, v in train_logged] == pytest.approx(summary["loss_history"], rel=1e-6)
     (step, logged), = tensorboard_scalars(out / "tensorboard", "val/loss")
-    assert step == STEPS - 1 or step == STEPS  # Lightning logs eval metrics at the current step
+    assert step == STEPS - 1
     assert logged == pytest.approx(val_loss, rel=1e-6, abs=0)
     (_, ppl), = tensorboard_scalars(out / "tensorboard", "val/ppl")
     assert ppl == pytest.approx(torch.tensor(val_loss).exp().item(), rel=1e-5)
