@@ -7,6 +7,7 @@ laptop. Runs are tiny (tiny preset, synthetic corpus, 4 steps): Lightning's star
 from __future__ import annotations
 
 import importlib.util
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from conftest import ROOT, read_summary, run_script, script_env
+from distributed import free_port
 from model import ModelConfig, TransformerLM
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus
 
@@ -25,8 +27,9 @@ pytest.importorskip("lightning")
 LIT_SCRIPT = "train/Lit_training.py"
 # --seq-len 31 gives the synthetic validation split 349 windows: odd, so with 2 ranks one rank
 # evaluates a padding sample, and with --batch-size 8 the last batch is partial.
-RUN = ("--dataset", "synthetic", "--preset", "tiny", "--seq-len", "31", "--dropout", "0",
-       "--max-steps", "4", "--batch-size", "8", "--log-every", "1", "--seed", "3")
+TINY = ("--dataset", "synthetic", "--preset", "tiny", "--seq-len", "31", "--dropout", "0",
+        "--batch-size", "8", "--seed", "3")
+RUN = (*TINY, "--max-steps", "4", "--log-every", "1")
 STEPS = 4
 
 
@@ -213,3 +216,62 @@ def test_plain_pytorch_scripts_run_without_lightning_installed():
                  for p in (ROOT / folder).rglob("*.py") if "import lightning" in p.read_text()}
     assert importers == {"model/transformerLM.py", "utils/lit_data.py",
                          "course/train/Lit_training.py"}
+
+
+# ------------------------------------------------------------------------------ auto-requeue
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_sigusr1_before_the_time_limit_saves_requeues_and_the_requeued_job_resumes(
+        tmp_path, data_cache):
+    """What `#SBATCH --signal=SIGUSR1@90` triggers, in a one-task 'job' (one process, so no
+    other rank to wait for) with a stand-in `scontrol` that records the call and then kills the
+    process, as Slurm's requeue does."""
+    bin_dir, out = tmp_path / "bin", tmp_path / "run"
+    bin_dir.mkdir()
+    scontrol_log = tmp_path / "scontrol.log"
+    (bin_dir / "scontrol").write_text('#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\nkill -KILL $PPID\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    one_task_job = dict(
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="Lit_training", SLURM_NNODES="1",
+        SLURM_JOB_NUM_NODES="1", SLURM_NODELIST="localhost", SLURM_NTASKS="1",
+        SLURM_NTASKS_PER_NODE="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        PATH=f"{bin_dir}:{script_env()['PATH']}", SCONTROL_LOG=scontrol_log)
+    env = script_env(cache_dir=data_cache, **one_task_job)
+    cmd = [sys.executable, LIT_SCRIPT, *TINY, "--logger", "none", "--log-every", "1",
+           "--accelerator", "cpu", "--out-dir", out]
+    # A run far too long to finish: it is interrupted once it has trained two steps.
+    first = subprocess.Popen([*map(str, cmd), "--max-steps", "100000"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in first.stdout:
+        lines.append(line)
+        if line.startswith("epoch 0 step 2 loss"):
+            first.send_signal(signal.SIGUSR1)
+            break
+    lines += first.stdout.readlines()
+    assert first.wait(timeout=120) == -signal.SIGKILL, "".join(lines[-30:])
+    assert scontrol_log.read_text().split() == ["requeue", "4242"]
+    saved = torch.load(out / "hpc_ckpt_1.ckpt", weights_only=True)
+    interrupted_at = saved["global_step"]
+    assert interrupted_at >= 2
+
+    # The requeued job: the same command, job id and OUT_DIR. It resumes from the checkpoint
+    # (and this time stops 3 steps later).
+    second = subprocess.run([*map(str, cmd), "--max-steps", str(interrupted_at + 3)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=180)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in second.stdout + second.stderr
+    summary = read_summary(out)
+    assert summary["steps"] == interrupted_at + 3
+    # The loss history survived the requeue (CourseLog's state is in the checkpoint).
+    history = summary["loss_history"]
+    assert len(history) == interrupted_at + 3
+    first_losses = [float(l.split()[-1]) for l in lines if l.startswith("epoch 0 step ")]
+    assert history[:2] == pytest.approx(first_losses[:2], abs=1e-4)
+    # The test split was evaluated on the final weights, not on those of the requeue checkpoint.
+    final = checkpoint_model(out / "checkpoints" / "last.ckpt")
+    assert torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == \
+        interrupted_at + 3
+    corpus = load_corpus("synthetic", cache_dir=data_cache)
+    assert summary["test_loss"] == pytest.approx(plain_loss(final, corpus.test), rel=1e-6, abs=0)

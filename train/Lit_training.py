@@ -200,13 +200,16 @@ def main():
     # ---- training, evaluation ----
     trainer.fit(lit_model, datamodule=data)
     val_loss = trainer.callback_metrics["val/loss"].item()
-    trainer.test(lit_model, datamodule=data, verbose=False)
+    loss_history = list(course_log.loss_history)
+    # Test the final weights: Lightning's last checkpoint (saved after the final validation).
+    # Without a ckpt_path, test() under Slurm would reload the requeue checkpoint, if there is one.
+    trainer.test(lit_model, datamodule=data, ckpt_path=checkpoints.last_model_path, verbose=False)
     test_loss = trainer.callback_metrics["test/loss"].item()
 
     # ---- summary (root process only, once, at the very end) ----
     summary = training_summary(
         args, cfg, corpus, world_size=trainer.world_size, steps=trainer.global_step,
-        loss_history=course_log.loss_history, val_loss=val_loss, test_loss=test_loss,
+        loss_history=loss_history, val_loss=val_loss, test_loss=test_loss,
         throughput=course_log.throughput, flops_per_token=flops_per_tok, device=lit_model.device,
         start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,
         devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path)
