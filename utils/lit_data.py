@@ -36,7 +36,7 @@ class WikiText2DataModule(L.LightningDataModule):
     def _loader(self, dataset, sampler, **kwargs) -> DataLoader:
         return DataLoader(dataset, sampler=sampler, batch_size=self.batch_size,
                           num_workers=self.num_workers, pin_memory=torch.cuda.is_available(),
-                          persistent_workers=self.num_workers > 0, **kwargs)
+                          **kwargs)
 
     def train_dataloader(self) -> DataLoader:
         sampler = DistributedSampler(self.train_ds, shuffle=True, seed=self.seed, drop_last=True,
