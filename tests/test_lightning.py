@@ -7,6 +7,7 @@ laptop. Runs are tiny (tiny preset, synthetic corpus, 4 steps): Lightning's star
 from __future__ import annotations
 
 import importlib.util
+import os
 import signal
 import subprocess
 import sys
@@ -144,7 +145,6 @@ SLURM_TASK_5_OF_2x4 = dict(
 
 @pytest.fixture
 def no_slurm(monkeypatch):
-    import os
     for key in list(os.environ):
         if key.startswith(("SLURM_", "SBATCH_")):
             monkeypatch.delenv(key)
@@ -275,3 +275,57 @@ def test_sigusr1_before_the_time_limit_saves_requeues_and_the_requeued_job_resum
         interrupted_at + 3
     corpus = load_corpus("synthetic", cache_dir=data_cache)
     assert summary["test_loss"] == pytest.approx(plain_loss(final, corpus.test), rel=1e-6, abs=0)
+
+
+# ------------------------------------------------------------------------------ the sbatch file
+@pytest.fixture
+def lit_sbatch(tmp_path):
+    """Lit_training.sbatch run by bash, with stand-ins for scontrol, nslookup and srun (which
+    records its arguments instead of starting anything)."""
+    from test_sbatch import STUBS
+    bin_dir, log, venv = tmp_path / "bin", tmp_path / "log", tmp_path / "venv"
+    for d in (bin_dir, log, venv / "bin"):
+        d.mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("")
+    stubs = {**STUBS, "srun": 'printf "%s\\n" "$@" > "$FAKE_LOG/srun"'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+
+    def submit(*args, nodes=("jrc0001", "jrc0002"), **env):
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("SLURM_", "MASTER_", "OMP_", "NPROC_"))}
+        full_env.update(
+            PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv), FAKE_LOG=str(log),
+            FAKE_NODES=" ".join(nodes), FAKE_DNS="jrc0001i=10.10.0.1",
+            # what sbatch sets from the file's #SBATCH lines
+            SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NAME="Lit_training", SLURM_JOB_ID="4242",
+            SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)),
+            SLURM_NTASKS_PER_NODE="4", SLURM_CPUS_PER_TASK="8", **env)
+        proc = subprocess.run(["bash", str(ROOT / "Lit_training.sbatch"), *args], cwd=ROOT,
+                              env=full_env, capture_output=True, text=True, timeout=30)
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, (log / "srun").read_text().splitlines()
+
+    return submit
+
+
+def test_the_sbatch_file_starts_one_python_task_per_gpu_with_srun(lit_sbatch):
+    out, srun = lit_sbatch("--epochs", "1")
+    assert "MASTER_ADDR=10.10.0.1 MASTER_PORT=24242" in out
+    assert srun[:4] == ["--kill-on-bad-exit=1", "--ntasks-per-node=4", "--ntasks=8",
+                        "--cpus-per-task=8"]
+    assert srun[4:7] == ["python", "-u", "train/Lit_training.py"]  # no torchrun
+    assert srun[-2:] == ["--epochs", "1"]
+
+
+def test_on_cpu_only_nodes_the_task_count_comes_from_nproc_per_node(lit_sbatch):
+    _, srun = lit_sbatch(NPROC_PER_NODE="2")
+    assert srun[1:3] == ["--ntasks-per-node=2", "--ntasks=4"]
+
+
+def test_the_sbatch_file_asks_for_sigusr1_before_the_time_limit_and_may_be_requeued():
+    lines = [l for l in (ROOT / "Lit_training.sbatch").read_text().splitlines()
+             if l.startswith("#SBATCH")]
+    assert "#SBATCH --signal=SIGUSR1@90" in lines and "#SBATCH --requeue" in lines
+    assert "#SBATCH --ntasks-per-node=4" in lines and "#SBATCH --gres=gpu:4" in lines
