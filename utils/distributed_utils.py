@@ -110,6 +110,10 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
+        # mkstemp makes the file private; a saved model is meant to be shared within the project
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
