@@ -25,6 +25,8 @@ COMMON = ["--dataset", "synthetic", "--preset", "tiny", "--dropout", "0", "--see
 CFG = dict(vocab_size=97, dropout=0.0)
 TIMEOUT = 120  # seconds, for every multi-process run
 
+pytestmark = pytest.mark.slow  # real processes: about 2 minutes for the module on 2 idle cores
+
 
 def load_solution():
     """The solution script as a module (for apply_fsdp); its main() does not run."""
@@ -96,9 +98,9 @@ def assert_same(a: dict, b: dict, atol=0.0):
 # What fully_shard does to the model
 
 
-def inspect_sharding(rank, world_size):
+def inspect_sharding():
     from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     model = sharded_model()
     units = [name or "<root>" for name, m in model.named_modules() if isinstance(m, FSDPModule)]
     params = {name: (isinstance(p, DTensor), p.placements if isinstance(p, DTensor) else None,
@@ -107,9 +109,19 @@ def inspect_sharding(rank, world_size):
     return units, params
 
 
-def test_every_block_and_the_root_are_fsdp_units_with_parameters_sharded_over_the_ranks():
+def fsdp_facts(rank, world_size):
+    """What apply_fsdp builds, and how its options train (one spawn for several tests)."""
+    return dict(sharding=inspect_sharding(), precision=mixed_precision_and_resharding(rank, world_size))
+
+
+@pytest.fixture(scope="module")
+def facts():
+    return run_distributed(fsdp_facts, 2, timeout=TIMEOUT)[0]
+
+
+def test_every_block_and_the_root_are_fsdp_units_with_parameters_sharded_over_the_ranks(facts):
     from torch.distributed.tensor import Shard
-    units, params = run_distributed(inspect_sharding, 2, timeout=TIMEOUT)[0]
+    units, params = facts["sharding"]
     n_layers = get_config("tiny").n_layers
     assert sorted(units) == sorted(["<root>"] + [f"layers.{i}" for i in range(n_layers)])
     for name, (is_dtensor, placements, local_rows, full_rows) in params.items():
@@ -141,21 +153,16 @@ def mixed_precision_and_resharding(rank, world_size):
     return result
 
 
-@pytest.fixture(scope="module")
-def precision_runs():
-    return run_distributed(mixed_precision_and_resharding, 2, timeout=TIMEOUT)[0]
-
-
-def test_bf16_computes_in_bfloat16_keeps_fp32_weights_and_tracks_fp32_losses(precision_runs):
-    r = precision_runs
+def test_bf16_computes_in_bfloat16_keeps_fp32_weights_and_tracks_fp32_losses(facts):
+    r = facts["precision"]
     assert r["none"]["compute"] == (torch.float32, torch.float32)
     assert r["bf16"]["compute"] == (torch.bfloat16, torch.bfloat16)
     assert r["bf16"]["master"] == torch.float32 and r["bf16"]["logits"] == torch.float32
     torch.testing.assert_close(r["bf16"]["losses"], r["none"]["losses"], atol=3e-2, rtol=0)
 
 
-def test_reshard_after_forward_false_keeps_block_weights_gathered_until_backward(precision_runs):
-    r = precision_runs
+def test_reshard_after_forward_false_keeps_block_weights_gathered_until_backward(facts):
+    r = facts["precision"]
     assert r["none"]["block_sharded_after_forward"]      # true (default): freed after forward
     assert not r["bf16"]["block_sharded_after_forward"]  # false: kept for backward
 
@@ -226,6 +233,7 @@ def test_training_continues_identically_after_loading_at_1_and_at_3_ranks(
     assert_same(model3, model1, atol=1e-5)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP: loading in one process
 def test_a_checkpoint_loads_into_a_plain_model_without_a_process_group(saved_at_2_ranks):
     from utils.distributed_utils import load_sharded_model
     ckpt, _, saved = saved_at_2_ranks
@@ -361,3 +369,15 @@ def test_resuming_with_another_global_batch_fails_with_one_line_saying_what_to_c
                       env=env, timeout=TIMEOUT, check=False)
     assert proc.returncode != 0
     assert "use --batch-size x ranks = 8" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_the_exercise_as_shipped_trains_with_ddp_and_holds_twice_the_state_per_rank(runs):
+    tmp, env = runs
+    run_script("train/fsdp_training.py", *COMMON, "--max-steps", 6, "--batch-size", 4,
+               "--out-dir", tmp / "exercise", nproc=2, env=env, timeout=TIMEOUT)
+    ddp, fsdp = read_summary(tmp / "exercise"), read_summary(tmp / "fsdp")
+    torch.testing.assert_close(torch.tensor(ddp["loss_history"]),
+                               torch.tensor(fsdp["loss_history"]), atol=1e-5, rtol=0)
+    for ddp_bytes, fsdp_bytes in zip(ddp["model_state_bytes_per_rank"],
+                                     fsdp["model_state_bytes_per_rank"]):
+        assert ddp_bytes / fsdp_bytes == pytest.approx(2, rel=0.02)

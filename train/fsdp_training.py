@@ -40,19 +40,20 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
 
 
-def parse_args():
-    parser = base_parser(__file__, __doc__)
-    # TODO 18: The FSDP options (used by apply_fsdp below).
-    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote.
-    return parser.parse_args()
-
-
 # TODO 18: Shard the model with FSDP2. fully_shard each Transformer block first, then the root
 # (the embeddings, final norm and output layer). Each call makes one FSDP unit: its parameters
 # become DTensors split over the ranks, gathered just before the unit's forward and backward and
 # freed afterwards, and its gradients are reduce-scattered so each rank keeps only its shard.
 # Sharding every block (not only the root) is what lets a rank hold one block's full weights at
 # a time, and lets the gather of the next block overlap the compute of this one.
+
+
+def parse_args():
+    parser = base_parser(__file__, __doc__)
+    # TODO 18: The options of apply_fsdp.
+    # TODO 20: How often to save checkpoints.
+    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote.
+    return parser.parse_args()
 
 
 def main():
@@ -101,14 +102,14 @@ def main():
     throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     start_epoch, start_batch = 0, 0
+    # TODO 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
+    # into one folder. Keep what resuming needs next to the weights: counters, the position in
+    # the data, and the model configuration (so a checkpoint of another model is refused).
+
     # TODO 21: Resume: load model and optimizer shards (the checkpoint may come from another world
     # size: DCP reshards at load time), then the counters and the position in the data, so the
     # run continues exactly where the checkpoint was taken. The position is stored in samples,
     # so it carries over to any world size with the same global batch.
-
-    # TODO 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
-    # into one folder. Keep what resuming needs next to the weights: counters, the position in
-    # the data, and the model configuration (so a checkpoint of another model is refused).
 
     for epoch in range(start_epoch, args.epochs):
         # Tell the sampler the epoch, or every epoch repeats the first epoch's order.

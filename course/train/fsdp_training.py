@@ -45,31 +45,6 @@ from utils.distributed_utils import load_sharded_model, save_full_model, save_sh
 #| end
 
 
-def parse_args():
-    parser = base_parser(__file__, __doc__)
-    # TODO 18: The FSDP options (used by apply_fsdp below).
-    #| exercise
-    #| solution
-    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
-                        help="bf16: compute in bfloat16, keep fp32 master weights and reduce "
-                             "gradients in fp32")
-    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
-                        help="true: free each block's gathered weights after its forward and "
-                             "gather again for backward (ZeRO-3, least memory); false: keep them "
-                             "until backward (ZeRO-2-like, one all-gather less per block)")
-    #| end
-    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote.
-    #| exercise
-    #| solution
-    parser.add_argument("--resume", metavar="DIR",
-                        help="continue from this checkpoint folder (e.g. OUT_DIR/checkpoints/last)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
-                        help="also save checkpoints/last every STEPS steps (0: only at the end of "
-                             "each epoch and at --max-steps)")
-    #| end
-    return parser.parse_args()
-
-
 # TODO 18: Shard the model with FSDP2. fully_shard each Transformer block first, then the root
 # (the embeddings, final norm and output layer). Each call makes one FSDP unit: its parameters
 # become DTensors split over the ranks, gathered just before the unit's forward and backward and
@@ -91,6 +66,35 @@ def apply_fsdp(model, mixed_precision="none", reshard_after_forward=True):
     fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))
     return model
 #| end
+
+
+def parse_args():
+    parser = base_parser(__file__, __doc__)
+    # TODO 18: The options of apply_fsdp.
+    #| exercise
+    #| solution
+    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                        help="bf16: compute in bfloat16, keep fp32 master weights and reduce "
+                             "gradients in fp32")
+    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                        help="true: free each block's gathered weights after its forward and "
+                             "gather again for backward (ZeRO-3, least memory); false: keep them "
+                             "until backward (ZeRO-2-like, one all-gather less per block)")
+    #| end
+    # TODO 20: How often to save checkpoints.
+    #| exercise
+    #| solution
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                        help="also save checkpoints/last every STEPS steps (0: only at the end of "
+                             "each epoch and at --max-steps)")
+    #| end
+    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote.
+    #| exercise
+    #| solution
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue from this checkpoint folder (e.g. OUT_DIR/checkpoints/last)")
+    #| end
+    return parser.parse_args()
 
 
 def main():
@@ -143,6 +147,18 @@ def main():
     throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     start_epoch, start_batch = 0, 0
+    # TODO 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
+    # into one folder. Keep what resuming needs next to the weights: counters, the position in
+    # the data, and the model configuration (so a checkpoint of another model is refused).
+    #| exercise
+    #| solution
+    def save_checkpoint(name, epoch, batches_in_epoch):
+        save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, dict(
+            step=step, epoch=epoch, samples_in_epoch=batches_in_epoch * global_batch,
+            global_batch=global_batch, best_val=best_val, model_config=cfg.to_dict(),
+            loss_history=[loss.item() for loss in loss_history], world_size=world_size))
+    #| end
+
     # TODO 21: Resume: load model and optimizer shards (the checkpoint may come from another world
     # size: DCP reshards at load time), then the counters and the position in the data, so the
     # run continues exactly where the checkpoint was taken. The position is stored in samples,
@@ -165,18 +181,6 @@ def main():
                              f"raise --max-steps above {step} to train further")
         print0(f"resumed from {args.resume} at step {step}, epoch {start_epoch}, "
                f"batch {start_batch}")
-    #| end
-
-    # TODO 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
-    # into one folder. Keep what resuming needs next to the weights: counters, the position in
-    # the data, and the model configuration (so a checkpoint of another model is refused).
-    #| exercise
-    #| solution
-    def save_checkpoint(name, epoch, batches_in_epoch):
-        save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, dict(
-            step=step, epoch=epoch, samples_in_epoch=batches_in_epoch * global_batch,
-            global_batch=global_batch, best_val=best_val, model_config=cfg.to_dict(),
-            loss_history=[loss.item() for loss in loss_history], world_size=world_size))
     #| end
 
     for epoch in range(start_epoch, args.epochs):
