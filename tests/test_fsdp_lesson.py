@@ -109,9 +109,19 @@ def inspect_sharding():
     return units, params
 
 
+def sharded_after_evaluation(rank, world_size):
+    """The parameters still gathered (not DTensor shards) after the script's evaluate()."""
+    from torch.distributed.tensor import DTensor
+    model = sharded_model()
+    x = batches(1, 4, model.cfg)[0].chunk(world_size)[rank]
+    load_solution().evaluate(model, [(x[:, :-1], x[:, 1:])], torch.device("cpu"))
+    return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
+
+
 def fsdp_facts(rank, world_size):
     """What apply_fsdp builds, and how its options train (one spawn for several tests)."""
-    return dict(sharding=inspect_sharding(), precision=mixed_precision_and_resharding(rank, world_size))
+    return dict(sharding=inspect_sharding(), precision=mixed_precision_and_resharding(rank, world_size),
+                gathered_after_eval=sharded_after_evaluation(rank, world_size))
 
 
 @pytest.fixture(scope="module")
@@ -151,6 +161,10 @@ def mixed_precision_and_resharding(rank, world_size):
                           master=model.layers["0"].mlp.in_proj.weight.dtype,
                           block_sharded_after_forward=block_sharded)
     return result
+
+
+def test_evaluation_leaves_every_parameter_sharded(facts):
+    assert facts["gathered_after_eval"] == []
 
 
 def test_bf16_computes_in_bfloat16_keeps_fp32_weights_and_tracks_fp32_losses(facts):

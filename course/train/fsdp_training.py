@@ -280,6 +280,12 @@ def evaluate(model, loader, device):
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each rank saw only its share of the split: sum loss and token counts before dividing.
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
+    # TODO 19: FSDP frees the root unit's gathered weights only after backward, and evaluation
+    # has none: reshard, or the full embeddings and output layer stay on every rank.
+    #| exercise
+    #| solution
+    model.reshard()
+    #| end
     model.train()
     return (loss_sum / tokens).item()
 
