@@ -126,6 +126,9 @@ class TransformerLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        # Constructing the layers draws (discarded) default weights from the RNG; rewind it so
+        # init_weights() draws exactly what it would draw for a model built on the meta device.
+        rng_state = torch.random.get_rng_state()
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.emb_dropout = nn.Dropout(cfg.dropout)
@@ -133,6 +136,7 @@ class TransformerLM(nn.Module):
         self.norm = nn.LayerNorm(cfg.d_model)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if self.output.weight.device.type != "meta":
+            torch.random.set_rng_state(rng_state)
             self.init_weights()
 
     @torch.no_grad()

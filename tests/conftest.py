@@ -28,7 +28,7 @@ def script_env(cache_dir: Path | str | None = None, **extra) -> dict:
 
 
 def run_script(script: str, *args, nproc: int = 1, env: dict | None = None, timeout: float = 300,
-               check: bool = True) -> subprocess.CompletedProcess:
+               check: bool = True, torchrun_args=()) -> subprocess.CompletedProcess:
     """Run a course script from the repository root: plain python for nproc=1, else torchrun.
 
     With check, a failing run raises with the tail of its output in the message.
@@ -37,7 +37,7 @@ def run_script(script: str, *args, nproc: int = 1, env: dict | None = None, time
         cmd = [sys.executable, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", script]
+               f"--nproc_per_node={nproc}", *torchrun_args, script]
     cmd += [str(a) for a in args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env or script_env(), capture_output=True, text=True,
                           timeout=timeout)

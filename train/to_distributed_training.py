@@ -77,6 +77,8 @@ def main():
     for epoch in range(args.epochs):
         # TODO 6: Tell the sampler the epoch, or every epoch repeats the first epoch's order.
         for x, y in train_loader:
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -92,8 +94,6 @@ def main():
                 # TODO 9: print0
                 print(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 logger.log({"train/loss": step_loss.item()}, step)
-            if step == args.max_steps:
-                break
 
         val_loss = evaluate(model, val_loader, device)
         # TODO 9: print0

@@ -120,6 +120,8 @@ def main():
         train_sampler.set_epoch(epoch)
         #| end
         for x, y in train_loader:
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -143,8 +145,6 @@ def main():
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 #| end
                 logger.log({"train/loss": step_loss.item()}, step)
-            if step == args.max_steps:
-                break
 
         val_loss = evaluate(model, val_loader, device)
         # TODO 9: print0

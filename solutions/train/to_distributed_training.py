@@ -86,6 +86,8 @@ def main():
         # DONE 6: Tell the sampler the epoch, or every epoch repeats the first epoch's order.
         train_sampler.set_epoch(epoch)
         for x, y in train_loader:
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -101,8 +103,6 @@ def main():
                 # DONE 9: print0
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 logger.log({"train/loss": step_loss.item()}, step)
-            if step == args.max_steps:
-                break
 
         val_loss = evaluate(model, val_loader, device)
         # DONE 9: print0

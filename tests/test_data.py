@@ -1,0 +1,168 @@
+"""WikiText-2 data: vocabulary, windows, samplers, cache, and the offline error."""
+
+import math
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import ROOT, run_script, script_env
+from utils import data
+from utils.data import (EOS, IGNORE_INDEX, UNK, DataUnavailableError, DistributedEvalSampler,
+                        TokenWindows, load_corpus)
+
+
+@pytest.fixture
+def text_dir(tmp_path):
+    d = tmp_path / "text"
+    d.mkdir()
+    (d / "train.txt").write_text(" = Title = \n\n the cat sat on the mat \n the dog sat \n")
+    (d / "valid.txt").write_text(" the cat ate the fish \n")
+    (d / "test.txt").write_text(" a dog sat \n")
+    return d
+
+
+def test_the_vocabulary_comes_from_the_training_split_and_other_words_become_unk(text_dir, tmp_path):
+    corpus = load_corpus("wikitext-2", text_dir, tmp_path / "cache")
+    assert corpus.vocab[:2] == [UNK, EOS]
+    assert "fish" not in corpus.vocab and "ate" not in corpus.vocab  # valid-only words
+    valid = [corpus.vocab[i] for i in corpus.valid]
+    assert valid == ["the", "cat", UNK, "the", UNK, EOS]
+
+
+def test_every_line_ends_with_eos_as_in_the_standard_wikitext2_form(text_dir, tmp_path):
+    corpus = load_corpus("wikitext-2", text_dir, tmp_path / "cache")
+    train = [corpus.vocab[i] for i in corpus.train]
+    assert train.count(EOS) == 4  # heading, empty line, two sentences
+    assert train[:4] == ["=", "Title", "=", EOS]
+
+
+def test_the_official_wiki_tokens_file_names_are_read_too(text_dir, tmp_path):
+    for split in ("train", "valid", "test"):
+        (text_dir / f"{split}.txt").rename(text_dir / f"wiki.{split}.tokens")
+    assert load_corpus("auto", text_dir, tmp_path / "cache").vocab_size == 10
+
+
+def test_a_folder_without_the_split_files_is_refused_with_the_names_it_needs(tmp_path):
+    with pytest.raises(DataUnavailableError, match="train.txt, valid.txt and test.txt"):
+        load_corpus("wikitext-2", tmp_path, tmp_path / "cache")
+
+
+def test_windows_are_disjoint_and_predict_every_token_exactly_once():
+    tokens = torch.arange(103)
+    ds = TokenWindows(tokens, seq_len=10)
+    assert len(ds) == 10
+    inputs = torch.cat([ds[i][0] for i in range(len(ds))])
+    targets = torch.cat([ds[i][1] for i in range(len(ds))])
+    assert torch.equal(inputs, tokens[:100])
+    assert torch.equal(targets, tokens[1:101])
+    x, y = ds[3]
+    assert torch.equal(y[:-1], x[1:])  # targets are the inputs shifted by one
+
+
+def test_a_padding_sample_has_no_targets():
+    x, y = TokenWindows(torch.arange(50), seq_len=10)[99]
+    assert x.shape == y.shape == (10,) and (y == IGNORE_INDEX).all()
+
+
+def test_a_split_shorter_than_one_window_asks_for_a_smaller_seq_len():
+    with pytest.raises(ValueError, match="smaller --seq-len"):
+        TokenWindows(torch.arange(5), seq_len=10)
+
+
+@pytest.mark.parametrize("n, world", [(10, 1), (10, 3), (7, 2), (2, 4)])
+def test_the_eval_sampler_gives_ranks_equal_counts_and_every_sample_exactly_once(n, world):
+    shards = [list(DistributedEvalSampler(range(n), world, r)) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1
+    real = [i for s in shards for i in s if i < n]
+    assert sorted(real) == list(range(n))
+
+
+def test_the_synthetic_corpus_is_learnable_and_deterministic(tmp_path):
+    a = load_corpus("synthetic", cache_dir=tmp_path / "a")
+    b = load_corpus("synthetic", cache_dir=tmp_path / "b")
+    assert torch.equal(a.train, b.train) and a.vocab == b.vocab
+    # each word has a few likely successors: the bigram entropy is far below the unigram one
+    pairs = Counter(zip(a.train[:-1].tolist(), a.train[1:].tolist()))
+    firsts = Counter(a.train[:-1].tolist())
+    n = len(a.train) - 1
+    bigram = -sum(c / n * math.log(c / firsts[p]) for (p, _), c in pairs.items())
+    unigram = -sum(c / n * math.log(c / n) for c in firsts.values())
+    assert bigram < unigram - 2
+
+
+def test_the_cache_is_built_once_and_then_read_without_tokenising(text_dir, tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    first = load_corpus("wikitext-2", text_dir, cache)
+    assert len(list(cache.glob("*.pt"))) == 1
+    monkeypatch.setattr(data, "build_corpus", lambda *a: pytest.fail("the cache was not used"))
+    again = load_corpus("wikitext-2", text_dir, cache)
+    assert torch.equal(first.train, again.train) and first.vocab == again.vocab
+
+
+def test_changed_text_files_get_a_new_cache_entry(text_dir, tmp_path):
+    cache = tmp_path / "cache"
+    load_corpus("wikitext-2", text_dir, cache)
+    (text_dir / "train.txt").write_text(" new words here \n")
+    assert "new" in load_corpus("wikitext-2", text_dir, cache).vocab
+    assert len(list(cache.glob("*.pt"))) == 2
+
+
+def test_several_processes_building_the_cache_at_once_leave_one_good_file(tmp_path, wikitext2_dir):
+    cache = tmp_path / "cache"
+    code = ("import sys; from utils.data import load_corpus; "
+            "c = load_corpus('wikitext-2', sys.argv[1], sys.argv[2]); print(len(c.train))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(wikitext2_dir), str(cache)],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT) for _ in range(4)]
+    outputs = {p.communicate(timeout=120)[0] for p in procs}
+    assert all(p.returncode == 0 for p in procs) and len(outputs) == 1
+    assert [f.suffix for f in cache.iterdir()] == [".pt"]  # no temporary files left
+    start = time.perf_counter()
+    corpus = load_corpus("wikitext-2", wikitext2_dir, cache)
+    assert time.perf_counter() - start < 1.0
+    assert str(len(corpus.train)) == outputs.pop().strip()
+
+
+def test_without_cache_and_hub_wikitext2_is_refused_with_the_prepare_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache = tmp_path / "cache"
+    with pytest.raises(DataUnavailableError, match="run `python prepare_data.py` on a login node"):
+        load_corpus("wikitext-2", cache_dir=cache)
+    assert not cache.exists() or not any(cache.iterdir())
+
+
+def test_without_cache_and_hub_auto_falls_back_to_synthetic_with_one_warning(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    warnings = []
+    corpus = load_corpus("auto", cache_dir=tmp_path / "cache", warn=warnings.append)
+    assert corpus.source == "synthetic"
+    assert len(warnings) == 1 and "SYNTHETIC" in warnings[0]
+
+
+def test_the_hub_check_answers_at_once_when_offline_variables_are_set(monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    start = time.perf_counter()
+    assert data.hub_reachable() is False
+    assert time.perf_counter() - start < 0.1
+
+
+def test_a_training_run_without_data_stops_at_once_with_one_line(tmp_path):
+    proc = run_script("train/to_distributed_training.py", "--dataset", "wikitext-2",
+                      "--out-dir", tmp_path / "run", env=script_env(cache_dir=tmp_path / "cache"),
+                      check=False, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # exactly one line
+    assert proc.stderr.startswith("error: WikiText-2 is not cached") and "prepare_data.py" in proc.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_prepare_data_tokenises_local_files_into_the_cache_training_then_uses(tmp_path, text_dir):
+    cache = tmp_path / "cache"
+    proc = subprocess.run([sys.executable, "prepare_data.py", "--data-dir", str(text_dir),
+                           "--cache-dir", str(cache)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "vocabulary 10" in proc.stdout and len(list(cache.glob("*.pt"))) == 1
