@@ -116,8 +116,10 @@ def main():
         train_sampler.set_epoch(epoch)
         # A resumed run skips the batches its checkpoint had already trained on in this epoch
         # (cheap here: a batch is a slice of a tensor in memory).
-        skip = start_batch if epoch == start_epoch else 0
-        for batch_idx, (x, y) in enumerate(itertools.islice(train_loader, skip, None), skip + 1):
+        batches_done = start_batch if epoch == start_epoch else 0
+        for x, y in itertools.islice(train_loader, batches_done, None):
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -125,6 +127,7 @@ def main():
             loss.backward()
             optimizer.step()
             step += 1
+            batches_done += 1
             throughput.step(x.numel() * world_size)
             # Each rank's loss covers only its own batch: log the mean over all ranks.
             step_loss = all_reduce_mean(loss.detach())
@@ -134,8 +137,6 @@ def main():
                 logger.log({"train/loss": step_loss.item()}, step)
             # TODO 20: With --checkpoint-every, also save "last" during the epoch (a job that
             # hits its time limit loses at most that many steps).
-            if step == args.max_steps:
-                break
 
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")

@@ -150,9 +150,10 @@ def main():
         start_batch = state["samples_in_epoch"] // global_batch
         if start_batch >= len(train_loader):  # saved at the end of an epoch
             start_epoch, start_batch = start_epoch + 1, 0
-        if args.max_steps and step >= args.max_steps:
-            raise SystemExit(f"--resume: the checkpoint is at step {step} already: "
-                             f"raise --max-steps above {step} to train further")
+        if args.max_steps is not None and step > args.max_steps:
+            raise SystemExit(f"--resume: the checkpoint is at step {step}, past --max-steps "
+                             f"{args.max_steps}: raise --max-steps (or set it to {step} to only "
+                             "evaluate and export)")
         print0(f"resumed from {args.resume} at step {step}, epoch {start_epoch}, "
                f"batch {start_batch}")
 
@@ -161,8 +162,10 @@ def main():
         train_sampler.set_epoch(epoch)
         # A resumed run skips the batches its checkpoint had already trained on in this epoch
         # (cheap here: a batch is a slice of a tensor in memory).
-        skip = start_batch if epoch == start_epoch else 0
-        for batch_idx, (x, y) in enumerate(itertools.islice(train_loader, skip, None), skip + 1):
+        batches_done = start_batch if epoch == start_epoch else 0
+        for x, y in itertools.islice(train_loader, batches_done, None):
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -170,6 +173,7 @@ def main():
             loss.backward()
             optimizer.step()
             step += 1
+            batches_done += 1
             throughput.step(x.numel() * world_size)
             # Each rank's loss covers only its own batch: log the mean over all ranks.
             step_loss = all_reduce_mean(loss.detach())
@@ -180,9 +184,7 @@ def main():
             # DONE 20: With --checkpoint-every, also save "last" during the epoch (a job that
             # hits its time limit loses at most that many steps).
             if args.checkpoint_every and step % args.checkpoint_every == 0:
-                save_checkpoint("last", epoch, batch_idx)
-            if step == args.max_steps:
-                break
+                save_checkpoint("last", epoch, batches_done)
 
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
@@ -191,10 +193,10 @@ def main():
             best_val = val_loss
             # DONE 20: Save the best checkpoint with save_sharded_model instead of save0 (save0
             # refuses sharded weights: no rank holds them all).
-            save_checkpoint("best", epoch, batch_idx)
+            save_checkpoint("best", epoch, batches_done)
         # DONE 20: Save the last checkpoint at the end of every epoch, and before stopping at
         # --max-steps.
-        save_checkpoint("last", epoch, batch_idx)
+        save_checkpoint("last", epoch, batches_done)
         if step == args.max_steps:
             break
 
