@@ -8,7 +8,6 @@ AdamW steps to about 1e-4 (AdamW magnifies 1e-8 differences in the gradients).
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -395,3 +394,14 @@ def test_the_exercise_as_shipped_trains_with_ddp_and_holds_twice_the_state_per_r
     for ddp_bytes, fsdp_bytes in zip(ddp["model_state_bytes_per_rank"],
                                      fsdp["model_state_bytes_per_rank"]):
         assert ddp_bytes / fsdp_bytes == pytest.approx(2, rel=0.02)
+
+
+def test_resuming_at_the_checkpoints_own_step_trains_nothing_and_exports_its_weights(runs):
+    tmp, env = runs
+    run_script(SOLUTION, *COMMON, "--max-steps", 6, "--batch-size", 8, "--out-dir", tmp / "export",
+               "--resume", tmp / "fsdp" / "checkpoints" / "last", env=env, timeout=TIMEOUT)
+    exported, trained = read_summary(tmp / "export"), read_summary(tmp / "fsdp")
+    assert exported["loss_history"] == trained["loss_history"]  # restored, none added
+    assert exported["test_loss"] == pytest.approx(trained["test_loss"], abs=1e-5)
+    assert_same(torch.load(tmp / "export" / "final_model.pt", weights_only=True),
+                torch.load(tmp / "fsdp" / "final_model.pt", weights_only=True))
