@@ -137,18 +137,21 @@ def save0(model_or_state_dict, path: str | os.PathLike) -> None:
         atomic_torch_save(state, path)
 
 
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum of `tensor` over all ranks (a copy; the input is left alone)."""
+def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of `tensor` over all ranks, or over the ranks of `group` (a copy; the input is left
+    alone). Tensor and pipeline parallelism pass their data-parallel group: the ranks that
+    share one batch must not be counted twice."""
     tensor = tensor.detach().clone()
     if dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor
 
 
-def all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
-    """Mean of `tensor` over all ranks. SUM then divide: ReduceOp.AVG is missing on some
-    backends and releases (gloo before 2.x, integer tensors)."""
-    return all_reduce_sum(tensor) / get_world_size()
+def all_reduce_mean(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Mean of `tensor` over all ranks (or over `group`). SUM then divide: ReduceOp.AVG is
+    missing on some backends and releases (gloo before 2.x, integer tensors)."""
+    size = dist.get_world_size(group) if dist.is_initialized() else 1
+    return all_reduce_sum(tensor, group) / size
 
 
 def barrier() -> None:

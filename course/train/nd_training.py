@@ -1,0 +1,299 @@
+"""Putting it together: pipeline, data (FSDP) and tensor parallelism on one 3-D device mesh.
+
+A finished example, not an exercise: it has no TODOs. It lives in course/ like every script, so
+tools/exercises.py copies it unchanged to train/ and solutions/ and the course has one mechanism.
+
+The world is a (pp, dp, tp) mesh, in the order the large-scale trainers use:
+- tp, innermost: consecutive ranks, inside a node, share every layer (an all-reduce per
+  attention and per MLP, so they need the fastest links);
+- dp, in the middle: FSDP replicas, each with its own batch (all-gathers and reduce-scatters
+  of the weights, once per step and layer, which overlap with compute);
+- pp, outermost: pipeline stages, usually on different nodes (only the activations at a stage
+  boundary cross the slow links).
+Every rank builds the whole model from the same seed, deletes the blocks of the other stages,
+shards what remains with TP and then FSDP, and joins its stage of the pipeline. With dropout 0
+the losses equal a single process's run with the global batch (--batch-size x dp).
+
+Run it:
+    python train/nd_training.py --preset tiny --max-steps 20                   # 1 x 1 x 1
+    torchrun --standalone --nproc_per_node=8 train/nd_training.py --preset tiny --max-steps 20 \\
+        --pp 2 --dp 2 --tp 2 --microbatches 2                                   # 8 CPU processes
+    sbatch nd_training.sbatch                 # 2 nodes x 4 GPUs: pp 2 (one per node) x dp 2 x tp 2
+"""
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
+                                               parallelize_module)
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from model import TransformerLM, get_config
+from utils.args import base_parser
+from utils.data import IGNORE_INDEX, DistributedEvalSampler, TokenWindows, load_corpus_or_exit
+from utils.distributed_utils import all_reduce_mean, all_reduce_sum, destroy_process_group, print0, setup
+from utils.metrics import (MetricLogger, StageBusyTimer, Throughput, flops_per_token, perplexity,
+                           pipeline_bubble_fraction, training_summary, write_summary)
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# ---- how the model is split: the functions of the TP and PP steps, for a model that may be a
+# pipeline stage (parts set to None are skipped) ----
+
+def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[range]:
+    """The block indices of every stage: an equal split, or the given counts (e.g. [3, 5])."""
+    counts = layers_per_stage or [n_layers // num_stages] * num_stages
+    starts = [sum(counts[:i]) for i in range(num_stages + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(num_stages)]
+
+
+def split_pipeline_stage(model: TransformerLM, stage_index: int, num_stages: int,
+                         layers_per_stage=None) -> TransformerLM:
+    """Keep only what stage `stage_index` computes (the pipeline step's function)."""
+    owned = stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]
+    for name in list(model.layers):
+        if int(name) not in owned:
+            del model.layers[name]
+    if stage_index != 0:
+        model.tok_emb = model.pos_emb = None
+    if stage_index != num_stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def apply_tp(model: TransformerLM, tp_mesh) -> TransformerLM:
+    """The tensor-parallel step's plan: q/k/v and the MLP's in_proj column-wise, the two
+    out_proj row-wise, the embedding split over the vocabulary, the logits left split for
+    loss_parallel. Parts a pipeline stage does not hold are left out of the plan."""
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attn.q_proj": ColwiseParallel(), "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(), "attn.out_proj": RowwiseParallel(),
+            "mlp.in_proj": ColwiseParallel(), "mlp.out_proj": RowwiseParallel(),
+        })
+    plan = {}
+    if model.tok_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate())
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    return model
+
+
+def apply_fsdp(model: TransformerLM, dp_mesh) -> TransformerLM:
+    """FSDP2 over the data-parallel ranks: every block is a unit (its weights are gathered just
+    before it runs), the root holds the rest. It shards the TP shards again: 2-D DTensors."""
+    for block in model.layers.values():
+        fully_shard(block, mesh=dp_mesh)
+    fully_shard(model, mesh=dp_mesh)
+    return model
+
+
+def lm_loss(logits, targets):
+    # logits are split over the vocabulary (a DTensor): the caller runs this under loss_parallel
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def lm_loss_sum(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+def check_degrees(args, cfg, world_size: int) -> None:
+    """Stop with one line saying what to change when the mesh, model or batch cannot be split."""
+    problems = []
+    if args.pp * args.dp * args.tp != world_size:
+        problems.append(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} must equal the "
+                        f"world size {world_size}")
+    if cfg.n_heads % args.tp or cfg.d_ff % args.tp:
+        problems.append(f"n_heads {cfg.n_heads} and d_ff {cfg.d_ff} must be divisible by --tp {args.tp}")
+    if args.layers_per_stage is None and cfg.n_layers % args.pp:
+        problems.append(f"the {cfg.n_layers} layers do not split evenly into --pp {args.pp} "
+                        "stages: give --layers-per-stage (e.g. 3,5)")
+    if args.layers_per_stage is not None and (
+            len(args.layers_per_stage) != args.pp or sum(args.layers_per_stage) != cfg.n_layers
+            or min(args.layers_per_stage) < 1):
+        problems.append(f"--layers-per-stage must give {args.pp} counts of at least 1 that add "
+                        f"up to the {cfg.n_layers} layers")
+    if args.microbatches < args.pp or args.batch_size % args.microbatches:
+        problems.append(f"--microbatches {args.microbatches} must be at least --pp {args.pp} "
+                        f"and divide --batch-size {args.batch_size}")
+    if problems:
+        sys.exit("error: " + "; ".join(problems))
+
+
+def main():
+    parser = base_parser(__file__, __doc__)
+    par = parser.add_argument_group("parallelism (pp x dp x tp = world size)")
+    par.add_argument("--pp", type=int, default=1, help="pipeline stages (outermost)")
+    par.add_argument("--dp", type=int, default=None,
+                     help="data-parallel (FSDP) replicas (default: world size / (pp x tp))")
+    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost)")
+    par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    par.add_argument("--microbatches", type=int, default=4)
+    par.add_argument("--layers-per-stage", type=lambda s: [int(n) for n in s.split(",")],
+                     help="blocks per stage, comma-separated (default: an equal split)")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+
+    local_rank, rank, device, world_size = setup(args.seed, args.device)
+    if args.dp is None:
+        args.dp = max(1, world_size // (args.pp * args.tp))
+
+    # ---- data ----
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    check_degrees(args, cfg, world_size)
+    mesh = init_device_mesh(device.type, (args.pp, args.dp, args.tp),
+                            mesh_dim_names=("pp", "dp", "tp"))
+    stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+    last_stage = args.pp - 1
+
+    train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
+                                 for tokens in (corpus.train, corpus.valid, corpus.test))
+    # One shard of the data per dp replica; the stages and TP ranks of a replica share it.
+    train_sampler = DistributedSampler(train_ds, num_replicas=args.dp, rank=dp_rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedEvalSampler(val_ds, num_replicas=args.dp, rank=dp_rank)
+    test_sampler = DistributedEvalSampler(test_ds, num_replicas=args.dp, rank=dp_rank)
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                       pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
+    test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
+
+    # ---- model: split into stages, then TP inside a stage, then FSDP across replicas ----
+    model = TransformerLM(cfg).to(device)
+    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
+                                    cfg.d_model, cfg.max_seq_len)
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
+    model = split_pipeline_stage(model, stage_index, args.pp, args.layers_per_stage)
+    model = apply_tp(model, mesh["tp"])
+    model = apply_fsdp(model, mesh["dp"])
+    stage = PipelineStage(model, stage_index, args.pp, device, group=pp_group)
+    schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=lm_loss)
+    eval_schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=lm_loss_sum)
+    timer = StageBusyTimer(stage, device)
+    mine = sum(p.to_local().numel() for p in model.parameters())
+    params_per_rank = all_reduce_sum(torch.tensor(
+        [mine if r == rank else 0 for r in range(world_size)])).tolist()
+    print0(f"mesh pp {args.pp} x dp {args.dp} x tp {args.tp}; schedule {args.schedule}, "
+           f"{args.microbatches} microbatches; parameters per rank {params_per_rank}")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+
+    # ---- training ----
+    throughput = Throughput(device)
+    loss_history, idle_history, step, val_loss = [], [], 0, math.nan
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            timer.start_step()
+            losses = []
+            # loss_parallel around the whole step: the last stage's loss and its backward run
+            # inside the schedule
+            with loss_parallel():
+                schedule.step(*((x,) if stage.is_first else ()),
+                              target=y if stage.is_last else None, losses=losses)
+            idle_history.append(timer.idle_fraction())
+            optimizer.step()
+            step += 1
+            throughput.step(x.numel() * args.dp)
+            step_loss = report_from_last_stage(
+                torch.stack([l.full_tensor() for l in losses]).mean() if stage.is_last else None,
+                device, dp_group, pp_group, last_stage)
+            loss_history.append(step_loss)
+            if step % args.log_every == 0:
+                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
+                logger.log({"train/loss": step_loss.item()}, step)
+            if step == args.max_steps:
+                break
+        val_loss = evaluate(model, val_loader, device, stage, eval_schedule, dp_group,
+                            pp_group, last_stage)
+        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        if step == args.max_steps:
+            break
+
+    # ---- evaluation, saving, summary ----
+    test_loss = evaluate(model, test_loader, device, stage, eval_schedule, dp_group, pp_group,
+                         last_stage)
+    idle = torch.tensor(idle_history[1:] or idle_history).median().item()
+    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)]))
+    bubble = pipeline_bubble_fraction(args.pp, args.microbatches)
+    print0(f"idle share of a step per rank (measured): {' '.join(f'{f:.0%}' for f in idle.tolist())}; "
+           f"bubble of {args.schedule} for {args.pp} stages and {args.microbatches} microbatches "
+           f"in theory: {bubble:.0%}")
+    summary = training_summary(
+        args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
+        val_loss=val_loss, test_loss=test_loss, throughput=throughput,
+        flops_per_token=flops_per_tok, device=device, start_time=start_time,
+        data_parallel_size=args.dp, tensor_parallel_size=args.tp, pipeline_stages=args.pp,
+        schedule=args.schedule, microbatches=args.microbatches, params_per_rank=params_per_rank,
+        idle_fraction_per_rank=idle.tolist(), bubble_fraction_theory=bubble)
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+    # Every rank writes its shards of its stage; the folder loads into the unsplit model, or into
+    # any other layout (DCP reshards when loading).
+    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
+    write_summary(out_dir, summary)
+    logger.close()
+    del model, optimizer, stage, schedule, eval_schedule
+    destroy_process_group()
+
+
+def report_from_last_stage(value, device, dp_group, pp_group, last_stage):
+    """A number only the last stage has, averaged over its dp replicas and sent to every
+    stage, so that all ranks hold the same value (the TP ranks of a replica already agree)."""
+    t = torch.zeros((), device=device) if value is None else all_reduce_mean(value.detach(), dp_group)
+    dist.broadcast(t, group=pp_group, group_src=last_stage)
+    return t
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_stage):
+    """Token-weighted mean loss over a whole split, through the pipeline (forward only)."""
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        if len(x) < loader.batch_size:  # a pipeline's buffers have a fixed shape: pad
+            pad = loader.batch_size - len(x)
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
+        losses = []
+        with loss_parallel():
+            schedule.eval(*((x,) if stage.is_first else ()),
+                          target=y if stage.is_last else None, losses=losses)
+        if losses:
+            loss_sum += torch.stack([l.full_tensor() for l in losses]).sum()
+        tokens += (y != IGNORE_INDEX).sum()
+    # sums over the replicas' shares of the split (on the last stage), then to every stage
+    loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
+    dist.broadcast(loss_sum, group=pp_group, group_src=last_stage)
+    model.train()
+    return (loss_sum / tokens).item()
+
+
+if __name__ == "__main__":
+    main()

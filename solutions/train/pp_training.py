@@ -1,0 +1,290 @@
+"""Pipeline parallelism (PP): each GPU holds a few consecutive layers, a stage of the model.
+
+As shipped, this script is the finished DDP step: every rank holds the whole model and its own
+batch. Do the TODOs in order (201 to 211) to cut the model into one stage per rank: the first
+stage embeds the tokens, each stage sends its activations to the next, the last stage computes
+the loss, and the gradients flow back the same way. A batch is split into microbatches so the
+stages can work at the same time; the script reports how much of each step every stage spent
+waiting (the pipeline "bubble") next to the schedule's theoretical share.
+Check your work with
+    diff -u train/pp_training.py solutions/train/pp_training.py
+
+Run it:
+    python train/pp_training.py --preset small --max-steps 300                  # laptop CPU, 1 rank
+    torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --max-steps 50
+    sbatch pp_training.sbatch                      # 2 nodes x 4 GPUs: 8 stages of 1 layer each
+When the TODOs are done, choose the schedule and the microbatches, e.g.
+    torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --schedule gpipe --microbatches 8
+and watch the idle share fall as the microbatches grow.
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from model import TransformerLM, get_config
+from utils.args import base_parser
+from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
+                           training_summary, write_summary)
+from torch.utils.data.distributed import DistributedSampler
+from utils.data import DistributedEvalSampler
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     print0, save0, setup)
+# DONE 201: Import the pipelining tools (PipelineStage, the ScheduleGPipe and Schedule1F1B
+# schedules), Distributed Checkpoint, torch.distributed for the loss broadcast, and the bubble
+# helpers from utils/metrics.py. DDP goes: a stage has nothing to average with.
+import sys
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from utils.metrics import StageBusyTimer, pipeline_bubble_fraction
+
+# GPipe: all forward passes, then all backward passes (keeps every microbatch's activations).
+# 1F1B: after a warm-up, one forward then one backward: the same bubble, but at most
+# `stages` microbatches' activations alive at once.
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+# DONE 202: Cut the model into stages. A stage keeps its own blocks and deletes the others from
+# the ModuleDict (the remaining keys keep their names, so checkpoints match the whole model);
+# only the first stage keeps the embeddings, only the last keeps the final norm and the output
+# layer (set the others to None: the model's forward skips them).
+def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[range]:
+    """The block indices of every stage: an equal split, or the given counts (e.g. [3, 5])."""
+    counts = layers_per_stage or [n_layers // num_stages] * num_stages
+    starts = [sum(counts[:i]) for i in range(num_stages + 1)]
+    return [range(starts[i], starts[i + 1]) for i in range(num_stages)]
+
+
+def split_pipeline_stage(model: TransformerLM, stage_index: int, num_stages: int,
+                         layers_per_stage=None) -> TransformerLM:
+    """Keep only what stage `stage_index` computes; returns the (now smaller) model."""
+    owned = stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]
+    for name in list(model.layers):
+        if int(name) not in owned:
+            del model.layers[name]
+    if stage_index != 0:
+        model.tok_emb = model.pos_emb = None
+    if stage_index != num_stages - 1:
+        model.norm = model.output = None
+    return model
+
+
+def build_schedule(name: str, stage, microbatches: int, loss_fn):
+    """The schedule runs the stage on `microbatches` pieces of each batch. loss_fn averages over
+    a microbatch; the schedule divides the gradients by the number of microbatches, so they
+    equal the gradients of the whole batch's mean loss."""
+    return SCHEDULES[name](stage, n_microbatches=microbatches, loss_fn=loss_fn)
+
+
+def check_pipeline(args, cfg, num_stages: int) -> None:
+    """Stop with one line saying what to change when the model or the batch cannot be split."""
+    problems = []
+    if args.microbatches < num_stages:
+        problems.append(f"--microbatches {args.microbatches} must be at least the number of "
+                        f"stages ({num_stages}), or some stages would never work at the same time")
+    if args.batch_size % args.microbatches:
+        problems.append(f"--batch-size {args.batch_size} must be divisible by "
+                        f"--microbatches {args.microbatches}")
+    counts = args.layers_per_stage
+    if counts is None and cfg.n_layers % num_stages:
+        problems.append(f"the {cfg.n_layers} layers do not split evenly into {num_stages} stages: "
+                        "give --layers-per-stage (e.g. 3,5) or use another number of ranks")
+    if counts is not None and (len(counts) != num_stages or sum(counts) != cfg.n_layers
+                               or min(counts) < 1):
+        problems.append(f"--layers-per-stage must give {num_stages} counts of at least 1 "
+                        f"that add up to the {cfg.n_layers} layers")
+    if problems:
+        sys.exit("error: " + "; ".join(problems))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def lm_loss_sum(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX)
+
+
+def main():
+    parser = base_parser(__file__, __doc__)
+    # DONE 203: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
+    # batch), and --layers-per-stage for an uneven split (e.g. 3,5).
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="pieces each batch is cut into (at least the number of stages)")
+    parser.add_argument("--layers-per-stage", type=lambda s: [int(n) for n in s.split(",")],
+                        help="blocks per stage, comma-separated (default: an equal split)")
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+
+    # setup() joins the process group and picks this rank's device; it seeds every rank alike,
+    # so every stage cuts its layers out of the same initial model.
+    local_rank, rank, device, world_size = setup(args.seed, args.device)
+
+    # ---- data ----
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    # DONE 204: One stage per rank, in rank order. Check that the model and the batch split.
+    num_stages, stage_index = world_size, rank
+    check_pipeline(args, cfg, num_stages)
+    train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
+                                 for tokens in (corpus.train, corpus.valid, corpus.test))
+    # Give every data-parallel replica its own shard of the data: a DistributedSampler for
+    # training, DistributedEvalSampler for validation and test (it counts no sample twice).
+    # DONE 205: The stages of a pipeline are one replica: they all read the same batches (the
+    # first uses the tokens, the last the targets). One replica, replica 0.
+    train_sampler = DistributedSampler(train_ds, num_replicas=1, rank=0,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=0)
+    test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                       pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
+    test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
+
+    # ---- model and optimizer ----
+    model = TransformerLM(cfg).to(device)
+    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
+                                    cfg.d_model, cfg.max_seq_len)
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
+    # DONE 206: Instead of DDP: keep only this rank's stage (split_pipeline_stage), wrap it in a
+    # PipelineStage (it sends and receives the activations), and build the training schedule
+    # (mean loss) and an evaluation schedule (summed loss). A StageBusyTimer on the stage
+    # measures how long it computes.
+    model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)
+    stage = PipelineStage(model, stage_index, num_stages, device)
+    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)
+    eval_schedule = build_schedule("gpipe", stage, args.microbatches, lm_loss_sum)
+    timer = StageBusyTimer(stage, device)
+    local_params = all_reduce_sum(torch.tensor([model.num_params() if r == rank else 0
+                                                for r in range(world_size)])).tolist()
+    print0(f"{num_stages} stages, layers {[list(r) for r in stage_layers(cfg.n_layers, num_stages, args.layers_per_stage)]}, "
+           f"parameters per stage {local_params}; schedule {args.schedule}, "
+           f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}")
+    idle_history = []
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+
+    # ---- training ----
+    throughput = Throughput(device)
+    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # DONE 207: The schedule runs forward, loss and backward for all microbatches: the
+            # first stage passes the tokens, the last the targets and a list for the
+            # microbatch losses, a stage in the middle neither. Time the step for the bubble.
+            optimizer.zero_grad(set_to_none=True)
+            timer.start_step()
+            losses = []
+            schedule.step(*((x,) if stage.is_first else ()),
+                          target=y if stage.is_last else None, losses=losses)
+            idle_history.append(timer.idle_fraction())
+            optimizer.step()
+            step += 1
+            # DONE 208: Only the last stage knows the loss: the mean of its microbatch losses.
+            # Broadcast it from there, so every rank logs (and rank 0 reports) the same value.
+            # One pipeline processes one batch per step: count its tokens once.
+            throughput.step(x.numel())
+            step_loss = (torch.stack(losses).mean() if stage.is_last
+                         else torch.zeros((), device=device))
+            dist.broadcast(step_loss, src=num_stages - 1)
+            loss_history.append(step_loss)
+            if step % args.log_every == 0:
+                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
+                logger.log({"train/loss": step_loss.item()}, step)
+            if step == args.max_steps:
+                break
+
+        # DONE 210: evaluate through the pipeline
+        val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
+        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        if val_loss < best_val:
+            best_val = val_loss
+            # DONE 209: No rank holds the whole model: save with Distributed Checkpoint, every
+            # stage writing its own part into one folder. The keys are the whole model's
+            # ("layers.5..." stays "layers.5..."), so the folder loads into the unsplit model.
+            dcp.save(model.state_dict(), checkpoint_id=out_dir / "best_model")
+        if step == args.max_steps:
+            break
+
+    # ---- evaluation, saving, summary ----
+    # DONE 210: evaluate through the pipeline. DONE 211: report the bubble.
+    test_loss = evaluate(model, test_loader, device, stage, eval_schedule)
+    # The median idle share of this stage's steps (the first one also sets the pipeline up),
+    # gathered from every stage.
+    idle = torch.tensor(idle_history[1:] or idle_history).median().item()
+    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)]))
+    bubble = pipeline_bubble_fraction(num_stages, args.microbatches)
+    print0(f"idle share of a step per stage (measured): "
+           f"{' '.join(f'{f:.0%}' for f in idle.tolist())}; "
+           f"bubble of {args.schedule} with {num_stages} stages and {args.microbatches} "
+           f"microbatches, for equal stages and free communication: {bubble:.0%}")
+    summary = training_summary(
+        args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
+        val_loss=val_loss, test_loss=test_loss, throughput=throughput,
+        flops_per_token=flops_per_tok, device=device, start_time=start_time,
+        data_parallel_size=1, pipeline_stages=num_stages, schedule=args.schedule,
+        microbatches=args.microbatches, params_per_rank=local_params,
+        idle_fraction_per_stage=idle.tolist(), bubble_fraction_theory=bubble)
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+    # DONE 209: Distributed Checkpoint
+    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
+    write_summary(out_dir, summary)
+    logger.close()
+    # Delete the model first, so its communication buffers go while the group still exists.
+    del model, optimizer, stage, schedule, eval_schedule
+    destroy_process_group()
+
+
+# DONE 210: Evaluate through the pipeline with the evaluation schedule's forward-only eval():
+# the last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
+# fill a short last batch with padding samples, whose IGNORE_INDEX targets count nowhere.
+# The sums exist on the last stage only: broadcast them.
+@torch.no_grad()
+def evaluate(model, loader, device, stage, schedule):
+    """Token-weighted mean loss over a whole split."""
+    model.eval()
+    # float64 sums: adding many partial sums in another order changes nothing visible
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        # DONE 210: pad, then eval() through the pipeline
+        if len(x) < loader.batch_size:
+            pad = loader.batch_size - len(x)
+            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
+            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
+        losses = []
+        schedule.eval(*((x,) if stage.is_first else ()),
+                      target=y if stage.is_last else None, losses=losses)
+        if losses:
+            loss_sum += torch.stack(losses).sum()
+        tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
+    # Each rank saw only its share of the split: add up the loss sums and token counts of
+    # all ranks before dividing, so the result equals the single-GPU loss exactly.
+    # DONE 210: broadcast from the last stage instead
+    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)
+    model.train()
+    return (loss_sum / tokens).item()
+
+
+if __name__ == "__main__":
+    main()

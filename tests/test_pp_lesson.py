@@ -1,0 +1,113 @@
+"""The pipeline-parallel step: two stages on two ranks train exactly like one process, with
+either schedule, and their Distributed Checkpoint loads into the unsplit model."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import warnings
+
+import pytest
+import torch
+
+from conftest import ROOT, read_summary, run_script, script_env
+from model import TransformerLM, get_config
+
+SOLUTION = ROOT / "solutions" / "train" / "pp_training.py"
+RUN_ARGS = ("--dataset", "synthetic", "--preset", "tiny", "--max-steps", 4, "--batch-size", 8,
+            "--dropout", 0, "--seed", 3, "--logger", "none", "--log-every", 1)
+
+
+def load_script(path):
+    """Import a training script as a module (its main() does not run)."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def single_process_run(tmp_path_factory, data_cache):
+    """The finished DDP script in one process: the reference every pipeline run must match."""
+    out = tmp_path_factory.mktemp("pp_reference")
+    run_script("solutions/train/to_distributed_training.py", *RUN_ARGS, "--out-dir", out,
+               env=script_env(cache_dir=data_cache), timeout=120)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(tmp_path_factory, data_cache):
+    """pipeline_run(schedule) -> (output folder, stdout) of a 2-stage run on 2 ranks, run once."""
+    runs = {}
+
+    def run(schedule):
+        if schedule not in runs:
+            out = tmp_path_factory.mktemp(f"pp_{schedule}")
+            proc = run_script(SOLUTION.relative_to(ROOT), *RUN_ARGS, "--schedule", schedule,
+                              "--microbatches", 4, "--out-dir", out, nproc=2,
+                              env=script_env(cache_dir=data_cache), timeout=240)
+            runs[schedule] = out, proc.stdout
+        return runs[schedule]
+    return run
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_two_stages_on_two_ranks_match_the_single_process_losses(schedule, pipeline_run,
+                                                                 single_process_run):
+    out, stdout = pipeline_run(schedule)
+    ref, pp = read_summary(single_process_run), read_summary(out)
+    assert pp["pipeline_stages"] == 2 and pp["schedule"] == schedule
+    assert len(pp["loss_history"]) == 4
+    assert pp["loss_history"] == pytest.approx(ref["loss_history"], rel=1e-5)
+    assert pp["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+    assert pp["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-5)
+    # The bubble is reported per stage, next to the schedule's theory: (p-1)/(m+p-1) = 1/5.
+    assert len(pp["idle_fraction_per_stage"]) == 2
+    assert all(0 <= f < 1 for f in pp["idle_fraction_per_stage"])
+    assert pp["bubble_fraction_theory"] == pytest.approx(0.2)
+    assert "idle share of a step per stage (measured)" in stdout
+    # Each stage holds only its part of the model.
+    assert sum(pp["params_per_rank"]) == pytest.approx(
+        TransformerLM(get_config("tiny", vocab_size=502)).num_params(), rel=0.01)
+
+
+def test_a_pipelined_run_s_checkpoint_loads_into_the_unsplit_model(pipeline_run,
+                                                                   single_process_run):
+    import torch.distributed.checkpoint as dcp
+
+    out, _ = pipeline_run("1f1b")
+    ref_weights = torch.load(single_process_run / "final_model.pt", weights_only=True)
+    vocab = ref_weights["tok_emb.weight"].shape[0]
+    model = TransformerLM(get_config("tiny", vocab_size=vocab))
+    state = {k: torch.full_like(v, float("nan")) for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
+        dcp.load(state, checkpoint_id=out / "final_model")
+    model.load_state_dict(state)  # every key of the whole model was in the checkpoint
+    for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
+
+
+def test_stages_split_the_layers_and_together_hold_the_whole_model_under_its_own_names():
+    pp = load_script(SOLUTION)
+    cfg = get_config("tiny", vocab_size=50, n_layers=4)
+    whole = TransformerLM(cfg).state_dict()
+    stages = [pp.split_pipeline_stage(TransformerLM(cfg), i, 2, [1, 3]) for i in range(2)]
+    assert list(stages[0].layers) == ["0"] and list(stages[1].layers) == ["1", "2", "3"]
+    assert stages[0].output is None and stages[1].tok_emb is None
+    keys = [set(s.state_dict()) for s in stages]
+    assert not keys[0] & keys[1] and keys[0] | keys[1] == set(whole)
+    # a middle stage maps hidden states to hidden states
+    middle = pp.split_pipeline_stage(TransformerLM(cfg), 1, 4)
+    assert middle(torch.randn(2, 8, cfg.d_model)).shape == (2, 8, cfg.d_model)
+
+
+def test_microbatches_that_do_not_divide_the_batch_stop_with_one_clear_line(tmp_path, data_cache):
+    proc = run_script(SOLUTION.relative_to(ROOT), *RUN_ARGS, "--microbatches", 3,
+                      "--out-dir", tmp_path, env=script_env(cache_dir=data_cache), timeout=60,
+                      check=False)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "--microbatches 3" in last
+    assert "Traceback" not in proc.stderr

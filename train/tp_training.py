@@ -1,0 +1,216 @@
+"""Tensor parallelism (TP): several GPUs share every layer of one model.
+
+As shipped, this script is the finished DDP step: every rank holds the whole model and its own
+batch. Do the TODOs in order (101 to 111) to split every Transformer block over the GPUs of a
+node, Megatron style: the ranks of a tensor-parallel group hold a slice of the attention heads
+and of the MLP, compute on the same batch, and combine their partial results with one
+all-reduce per attention and one per MLP. With more ranks than the TP degree, the groups are
+data-parallel replicas of each other (FSDP over the other mesh dimension).
+Check your work with
+    diff -u train/tp_training.py solutions/train/tp_training.py
+
+Run it (the TP degree defaults to the processes per node, so TP stays inside a node):
+    python train/tp_training.py --preset small --max-steps 300                  # laptop CPU, 1 rank
+    torchrun --standalone --nproc_per_node=2 train/tp_training.py --preset tiny --max-steps 50
+    sbatch tp_training.sbatch                      # 2 nodes x 4 GPUs: TP 4 in a node, DP 2 across
+When the TODOs are done, `--tp N` chooses the degree (it must divide the world size, the
+number of heads and the MLP width), e.g.
+    torchrun --standalone --nproc_per_node=4 train/tp_training.py --preset tiny --tp 2  # DP 2 x TP 2
+"""
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from model import TransformerLM, get_config
+from utils.args import base_parser
+from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
+                           training_summary, write_summary)
+from torch.distributed.tensor import DTensor
+from torch.utils.data.distributed import DistributedSampler
+from utils.data import DistributedEvalSampler
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     print0, save0, setup)
+# TODO 101: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
+# (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel), and
+# FSDP2's fully_shard in place of DDP (TODO 107 says why).
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+# TODO 102: The tensor-parallel plan, as a function of its own (the model file knows nothing of
+# it). Column-wise for q/k/v and the MLP's in_proj (each rank computes some heads or hidden
+# units from the whole input), row-wise for the attention's out_proj and the MLP's out_proj
+# (each rank multiplies its slice; an all-reduce adds the partial results). Decide what to do
+# with the token embedding and the output layer: they hold most of the small models' weights.
+
+
+def gather_full_state_dict(model) -> dict:
+    """The whole model's weights as plain tensors on every rank (call it on all ranks: each
+    DTensor, sharded by TP and/or FSDP, is gathered with collectives). The file save0 writes
+    from it loads into the plain model, with no mesh and no TP."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v
+            for k, v in model.state_dict().items()}
+
+
+def check_tp_degree(tp: int, world_size: int, cfg) -> None:
+    """Stop with one line saying what to change when the model or the world cannot be split."""
+    problems = []
+    if tp < 1 or world_size % tp:
+        problems.append(f"the world size {world_size} must be a multiple of --tp {tp}")
+    if cfg.n_heads % tp:
+        problems.append(f"n_heads {cfg.n_heads} must be divisible by --tp {tp} (whole heads per rank)")
+    if cfg.d_ff % tp:
+        problems.append(f"d_ff {cfg.d_ff} must be divisible by --tp {tp}")
+    if problems:
+        sys.exit("error: " + "; ".join(problems) + ": choose another --tp or --preset")
+
+
+def main():
+    parser = base_parser(__file__, __doc__)
+    # TODO 103: A --tp option: the tensor-parallel degree. Default: the processes on this node
+    # (torchrun's LOCAL_WORLD_SIZE), since TP communicates in every layer and needs the fast
+    # links inside a node.
+    args = parser.parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+
+    # setup() joins the process group and picks this rank's device; it seeds every rank alike,
+    # which TP needs: each rank cuts its shard out of the same initial weights.
+    local_rank, rank, device, world_size = setup(args.seed, args.device)
+
+    # ---- data ----
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    # TODO 104: Check that the model and the world can be split (check_tp_degree), then arrange
+    # the ranks in a 2-D device mesh (dp, tp). TP is the inner dimension: ranks r and r+1 share
+    # layers, so a TP group sits inside a node. Ask the mesh for this rank's data-parallel index
+    # and size, and the data-parallel process group.
+    train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
+                                 for tokens in (corpus.train, corpus.valid, corpus.test))
+    # Give every data-parallel replica its own shard of the data: a DistributedSampler for
+    # training, DistributedEvalSampler for validation and test (it counts no sample twice).
+    # TODO 105: Under TP a replica is a whole TP group: its ranks compute on the same batch, so
+    # the samplers count data-parallel ranks (dp_rank of dp_size), not processes.
+    train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
+    test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                       pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
+    test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
+
+    # ---- model and optimizer ----
+    model = TransformerLM(cfg).to(device)
+    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
+                                    cfg.d_model, cfg.max_seq_len)
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
+    # TODO 106: Shard the model over the TP dimension of the mesh (apply_tp), then report how
+    # many parameters this rank holds: that is what TP saves in memory.
+    # Data parallelism keeps the replicas identical by averaging their gradients in backward().
+    # TODO 107: Average only over the mesh's dp dimension: the ranks of a TP group hold
+    # different shards and must not be averaged with each other. DDP expects plain tensors;
+    # FSDP2 is built on DTensor like TP, so use it: fully_shard every block, then the root, on
+    # the dp sub-mesh (with dp 1 it shards nothing and costs nothing). This is the usual 2-D
+    # layout: TP inside a node, FSDP across nodes.
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+
+    # ---- training ----
+    throughput = Throughput(device)
+    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
+        for x, y in train_loader:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            # TODO 108: The logits are split over the vocabulary: compute the loss and run the
+            # backward pass inside loss_parallel(), which combines the pieces of the softmax
+            # with small all-reduces instead of gathering the logits. The loss is the same on
+            # every rank of a TP group: take it as a plain tensor (full_tensor()).
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            # Each rank's loss covers only its own batch: log the mean over the replicas.
+            # TODO 109: Tokens and losses are counted per data-parallel replica, not per
+            # process: a TP group shares one batch.
+            throughput.step(x.numel() * world_size)
+            step_loss = all_reduce_mean(loss.detach())
+            loss_history.append(step_loss)
+            if step % args.log_every == 0:
+                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
+                logger.log({"train/loss": step_loss.item()}, step)
+            if step == args.max_steps:
+                break
+
+        # TODO 111: evaluate on the data-parallel group
+        val_loss = evaluate(model, val_loader, device)
+        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        if val_loss < best_val:
+            best_val = val_loss
+            # Save on rank 0 only, the plain model's weights, so the file loads without DDP.
+            # TODO 110: The weights are DTensors, each rank holding a shard: gather them on
+            # every rank first (gather_full_state_dict), then save0 writes the whole model.
+            save0(model, out_dir / "best_model.pt")
+        if step == args.max_steps:
+            break
+
+    # ---- evaluation, saving, summary ----
+    # TODO 109: the global batch is per replica. TODO 111: evaluate on the data-parallel group.
+    test_loss = evaluate(model, test_loader, device)
+    summary = training_summary(
+        args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
+        val_loss=val_loss, test_loss=test_loss, throughput=throughput,
+        flops_per_token=flops_per_tok, device=device, start_time=start_time)
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+    # TODO 110: gather, then save0
+    save0(model, out_dir / "final_model.pt")
+    write_summary(out_dir, summary)
+    logger.close()
+    # Delete the model first, so its communication buffers go while the group still exists.
+    del model, optimizer
+    destroy_process_group()
+
+
+# TODO 111: Evaluate like training: the loss inside loss_parallel (its sum comes back as a
+# DTensor: take full_tensor()), and add up sums and token counts over the data-parallel group
+# only, since the ranks of a TP group evaluated the same samples.
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Token-weighted mean loss over a whole split."""
+    model.eval()
+    # float64 sums: adding many partial sums in another order changes nothing visible
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        # TODO 111: loss_parallel, full_tensor()
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
+                                    ignore_index=IGNORE_INDEX)
+        tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
+    # Each replica saw only its share of the split: add up the loss sums and token counts of
+    # all replicas before dividing, so the result equals the single-GPU loss exactly.
+    # TODO 111: over the data-parallel group
+    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
+    model.train()
+    return (loss_sum / tokens).item()
+
+
+if __name__ == "__main__":
+    main()
