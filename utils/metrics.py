@@ -79,6 +79,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state.
+
+    Under DDP every rank holds all of them; under FSDP only its shard (a DTensor's local part),
+    which is what sharding saves, whatever else (activations, buffers) the device holds.
+    """
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()
+                                                 if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]  # leave out step counters
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
 class Throughput:
     """Tokens per second over training steps, leaving out the first (warm-up) step."""
 
