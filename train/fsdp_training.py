@@ -138,6 +138,7 @@ def main():
             # TODO 20: With --checkpoint-every, also save "last" during the epoch (a job that
             # hits its time limit loses at most that many steps).
 
+        throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 from torch.utils.data import DataLoader
@@ -227,6 +227,7 @@ def main():
                 logger.log({"train/loss": step_loss.item()}, step)
             if step == args.max_steps:
                 break
+        throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule, dp_group,
                             pp_group, last_stage)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")

@@ -124,6 +124,7 @@ def main():
             if step == args.max_steps:
                 break
 
+        throughput.pause()  # evaluation time is not training time
         # TODO 43: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")

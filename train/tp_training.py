@@ -156,6 +156,7 @@ def main():
             if step == args.max_steps:
                 break
 
+        throughput.pause()  # evaluation time is not training time
         # TODO 33: evaluate on the data-parallel group
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")

@@ -97,25 +97,33 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer |
 
 
 class Throughput:
-    """Tokens per second over training steps, leaving out the first (warm-up) step."""
+    """Training tokens per second: the time from each step to the next, with pauses left out.
 
-    def __init__(self, device: torch.device, warmup_steps: int = 1):
-        self.device, self.warmup_steps = device, warmup_steps
-        self.steps, self.tokens, self.start = 0, 0, None
+    Call step(tokens) after every optimizer step and pause() before an evaluation: the first
+    step after the start or a pause only starts the clock again, so warm-up, evaluation and
+    data-loader restarts do not count as training time.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tokens, self.seconds, self.last = 0, 0.0, None
 
     def step(self, tokens: int) -> None:
-        self.steps += 1
-        if self.steps == self.warmup_steps:
-            synchronize(self.device)
-            self.start = time.perf_counter()
-        elif self.steps > self.warmup_steps:
+        now = time.perf_counter()
+        if self.last is not None:
             self.tokens += tokens
+            self.seconds += now - self.last
+        self.last = now
+
+    def pause(self) -> None:
+        synchronize(self.device)  # finish the queued steps: their time belongs to training
+        if self.last is not None:
+            self.seconds += time.perf_counter() - self.last
+        self.last = None
 
     def tokens_per_s(self) -> float:
-        if self.start is None or self.tokens == 0:
-            return float("nan")
-        synchronize(self.device)
-        return self.tokens / (time.perf_counter() - self.start)
+        self.pause()
+        return self.tokens / self.seconds if self.tokens else float("nan")
 
 
 def perplexity(loss: float) -> float:

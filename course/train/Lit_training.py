@@ -142,6 +142,10 @@ class CourseLog(Callback):
             # Lightning would end at max_steps without validating).
             trainer.should_stop = True
 
+    def on_validation_start(self, trainer, pl_module):
+        if self.throughput is not None:
+            self.throughput.pause()  # evaluation time is not training time
+
     def on_validation_end(self, trainer, pl_module):
         loss = trainer.callback_metrics["val/loss"].item()
         print0(f"epoch {trainer.current_epoch} validation loss {loss:.4f} "

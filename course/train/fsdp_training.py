@@ -216,6 +216,7 @@ def main():
                 save_checkpoint("last", epoch, batches_done)
             #| end
 
+        throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)

@@ -248,6 +248,7 @@ def main():
             if step == args.max_steps:
                 break
 
+        throughput.pause()  # evaluation time is not training time
         # TODO 43: evaluate through the pipeline
         #| exercise
         val_loss = evaluate(model, val_loader, device)

@@ -242,6 +242,7 @@ def main():
             if step == args.max_steps:
                 break
 
+        throughput.pause()  # evaluation time is not training time
         # TODO 33: evaluate on the data-parallel group
         #| exercise
         val_loss = evaluate(model, val_loader, device)

@@ -211,6 +211,7 @@ def main():
             if step == args.max_steps:
                 break
 
+        throughput.pause()  # evaluation time is not training time
         # DONE 43: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
