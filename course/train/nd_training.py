@@ -292,6 +292,7 @@ def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_st
     # sums over the replicas' shares of the split (on the last stage), then to every stage
     loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
     dist.broadcast(loss_sum, group=pp_group, group_src=last_stage)
+    model.reshard()  # FSDP frees the gathered weights after backward; evaluation has none
     model.train()
     return (loss_sum / tokens).item()
 

@@ -331,6 +331,7 @@ def evaluate(model, loader, device, dp_group):
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
     #| solution
     loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
+    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none
     #| end
     model.train()
     return (loss_sum / tokens).item()

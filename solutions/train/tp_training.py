@@ -260,6 +260,7 @@ def evaluate(model, loader, device, dp_group):
     # all replicas before dividing, so the result equals the single-GPU loss exactly.
     # DONE 33: over the data-parallel group
     loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
+    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none
     model.train()
     return (loss_sum / tokens).item()
 
