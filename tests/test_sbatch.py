@@ -50,7 +50,8 @@ def fake_cluster(tmp_path):
             PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv), FAKE_LOG=str(log),
             FAKE_NODES=" ".join(nodes), FAKE_DNS=" ".join(f"{k}={v}" for k, v in dns),
             SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NAME="job", SLURM_JOB_ID="4242",
-            SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)), **env)
+            SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)),
+            SLURM_CPUS_PER_TASK="32", **env)
         proc = subprocess.run(["bash", str(ROOT / sbatch), *args], cwd=ROOT, env=full_env,
                               capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
@@ -120,3 +121,12 @@ def test_one_node_runs_one_torchrun_with_all_its_gpus(fake_cluster):
 def test_on_cpu_only_nodes_the_process_count_comes_from_nproc_per_node(fake_cluster):
     _, launched = fake_cluster("solutions/to_distributed_training.sbatch", NPROC_PER_NODE="2")
     assert "--nproc_per_node=2" in launched["torchrun.0"]
+
+
+def test_srun_hands_the_cpus_of_the_job_to_the_training_processes(fake_cluster):
+    """Since Slurm 22.05 srun does not inherit --cpus-per-task: without it, one core."""
+    for sbatch in ("to_distributed_training.sbatch", "solutions/to_distributed_training.sbatch"):
+        text = (ROOT / sbatch).read_text()
+        srun_lines = [line for line in text.splitlines() if line.startswith("srun ")]
+        assert srun_lines and all('--cpus-per-task="$SLURM_CPUS_PER_TASK"' in line
+                                  for line in srun_lines)
