@@ -26,7 +26,8 @@ STUBS = {
 done
 printf "** server can't find %s: NXDOMAIN\\n" "$1"; exit 1''',
     # srun: run the command once per node of $FAKE_NODES with SLURM_NODEID set
-    "srun": '''while [ "${1#-}" != "$1" ]; do shift; done
+    "srun": '''printf "%s\\n" "$@" > "$FAKE_LOG/srun.args"
+while [ "${1#-}" != "$1" ]; do shift; done
 i=0; for n in $FAKE_NODES; do SLURM_NODEID=$i "$@"; i=$((i + 1)); done''',
     "torchrun": 'printf "%s\\n" "$@" > "$FAKE_LOG/torchrun.$SLURM_NODEID"',
     "python": 'printf "%s\\n" "$@" > "$FAKE_LOG/python.$SLURM_NODEID"',
@@ -126,7 +127,5 @@ def test_on_cpu_only_nodes_the_process_count_comes_from_nproc_per_node(fake_clus
 def test_srun_hands_the_cpus_of_the_job_to_the_training_processes(fake_cluster):
     """Since Slurm 22.05 srun does not inherit --cpus-per-task: without it, one core."""
     for sbatch in ("to_distributed_training.sbatch", "solutions/to_distributed_training.sbatch"):
-        text = (ROOT / sbatch).read_text()
-        srun_lines = [line for line in text.splitlines() if line.startswith("srun ")]
-        assert srun_lines and all('--cpus-per-task="$SLURM_CPUS_PER_TASK"' in line
-                                  for line in srun_lines)
+        _, launched = fake_cluster(sbatch)
+        assert "--cpus-per-task=32" in launched["srun.args"]
