@@ -36,17 +36,20 @@ GPU_PEAK_FLOPS = {
 
 def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 1024,
                          seconds: float = 0.3) -> float:
-    """FLOP/s of a square matmul on `device`: the peak MFU divides by where no data sheet applies."""
+    """FLOP/s of the fastest of repeated square matmuls on `device`: the peak MFU divides by
+    where no data sheet applies. The fastest, not the mean: other work on a shared machine only
+    ever slows a matmul down."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
-    synchronize(device)
-    reps, start = 0, time.perf_counter()
+    best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:
+        synchronize(device)
+        t = time.perf_counter()
         a @ b
-        reps += 1
-    synchronize(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
 
 
 def peak_flops(device: torch.device, dtype=torch.float32) -> tuple[float, str]:
