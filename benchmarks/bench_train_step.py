@@ -9,8 +9,10 @@ machine: step times on shared CPUs vary by 20-30 %.
 """
 
 import argparse
+import platform
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -73,6 +75,13 @@ def bench_loader(tokens: torch.Tensor, seq_len: int, batch: int, workers: int) -
     return n / (time.perf_counter() - start)
 
 
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []:
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--presets", nargs="+", default=["tiny", "workshop"])
@@ -84,6 +93,7 @@ def main():
     threads = torch.get_num_threads()
     peak = measure_matmul_flops(device, torch.float32, n=2048, seconds=2.0)
     peak_bf16 = measure_matmul_flops(device, torch.bfloat16, n=2048, seconds=2.0)
+    print(f"{cpu_model() if device.type == 'cpu' else torch.cuda.get_device_name()}")
     print(f"device {device}, {threads} threads; measured matmul peak (2048x2048): "
           f"fp32 {peak / 1e9:.0f} GFLOP/s, bf16 {peak_bf16 / 1e9:.0f} GFLOP/s (MFU divides by fp32)")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -27,7 +28,9 @@ def _worker(fn, rank, world_size, port, queue, args):
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
-        queue.put((rank, "ok", result))
+        # Plain pickle copies tensors by value: through the queue, torch would send a handle to
+        # shared memory that is gone once this process exits (ConnectionResetError in the parent).
+        queue.put((rank, "ok", pickle.dumps(result)))
     except BaseException:  # report instead of hanging the parent
         queue.put((rank, "error", traceback.format_exc()))
 
@@ -50,7 +53,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180):
         for _ in range(world_size):
             rank, status, value = queue.get(timeout=timeout)
             if status == "ok":
-                results[rank] = value
+                results[rank] = pickle.loads(value)
             else:
                 errors.append(f"rank {rank}:\n{value}")
                 break

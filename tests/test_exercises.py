@@ -43,11 +43,17 @@ def test_a_malformed_block_is_reported_with_its_line(broken, message):
 
 
 def test_a_todo_number_used_in_two_files_is_reported(tmp_path):
-    problems = exercises.check_numbering({tmp_path / "a.py": "# TODO 3: x", tmp_path / "b.sh": "# TODO 3: y"})
-    assert problems == ["TODO 3 is used in both a.py and b.sh"]
+    problems = exercises.check_numbering({tmp_path / "a.py": "# TODO 1: x # TODO 2: x",
+                                          tmp_path / "b.sh": "# TODO 2: y"})
+    assert problems == ["TODO 2 is used in both a.py and b.sh"]
 
 
-def test_todo_numbers_are_unique_across_the_course():
+def test_a_gap_in_the_todo_numbers_is_reported(tmp_path):
+    problems = exercises.check_numbering({tmp_path / "a.py": "# TODO 1: x # TODO 3: y"})
+    assert problems == ["TODO numbers must run from 1 without gaps; missing: [2]"]
+
+
+def test_todo_numbers_are_unique_across_the_course_and_run_without_gaps():
     texts = {src: src.read_text() for src in exercises.sources()}
     assert exercises.check_numbering(texts) == []
 

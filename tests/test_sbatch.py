@@ -26,7 +26,8 @@ STUBS = {
 done
 printf "** server can't find %s: NXDOMAIN\\n" "$1"; exit 1''',
     # srun: run the command once per node of $FAKE_NODES with SLURM_NODEID set
-    "srun": '''while [ "${1#-}" != "$1" ]; do shift; done
+    "srun": '''printf "%s\\n" "$@" > "$FAKE_LOG/srun.args"
+while [ "${1#-}" != "$1" ]; do shift; done
 i=0; for n in $FAKE_NODES; do SLURM_NODEID=$i "$@"; i=$((i + 1)); done''',
     "torchrun": 'printf "%s\\n" "$@" > "$FAKE_LOG/torchrun.$SLURM_NODEID"',
     "python": 'printf "%s\\n" "$@" > "$FAKE_LOG/python.$SLURM_NODEID"',
@@ -50,7 +51,8 @@ def fake_cluster(tmp_path):
             PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv), FAKE_LOG=str(log),
             FAKE_NODES=" ".join(nodes), FAKE_DNS=" ".join(f"{k}={v}" for k, v in dns),
             SLURM_SUBMIT_DIR=str(tmp_path), SLURM_JOB_NAME="job", SLURM_JOB_ID="4242",
-            SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)), **env)
+            SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)),
+            SLURM_CPUS_PER_TASK="32", **env)
         proc = subprocess.run(["bash", str(ROOT / sbatch), *args], cwd=ROOT, env=full_env,
                               capture_output=True, text=True, timeout=30)
         assert proc.returncode == 0, proc.stderr
@@ -112,7 +114,7 @@ def test_two_nodes_get_one_torchrun_each_and_only_node_0_hosts_the_rendezvous(fa
 
 def test_one_node_runs_one_torchrun_with_all_its_gpus(fake_cluster):
     _, launched = fake_cluster("solutions/to_distributed_training.sbatch")
-    assert set(launched) == {"torchrun.0"}
+    assert {name for name in launched if name.startswith("torchrun")} == {"torchrun.0"}
     assert launched["torchrun.0"][:2] == ["--nnodes=1", "--nproc_per_node=gpu"]
     assert "--rdzv_conf=is_host=1" in launched["torchrun.0"]
 
@@ -120,3 +122,10 @@ def test_one_node_runs_one_torchrun_with_all_its_gpus(fake_cluster):
 def test_on_cpu_only_nodes_the_process_count_comes_from_nproc_per_node(fake_cluster):
     _, launched = fake_cluster("solutions/to_distributed_training.sbatch", NPROC_PER_NODE="2")
     assert "--nproc_per_node=2" in launched["torchrun.0"]
+
+
+def test_srun_hands_the_cpus_of_the_job_to_the_training_processes(fake_cluster):
+    """Since Slurm 22.05 srun does not inherit --cpus-per-task: without it, one core."""
+    for sbatch in ("to_distributed_training.sbatch", "solutions/to_distributed_training.sbatch"):
+        _, launched = fake_cluster(sbatch)
+        assert "--cpus-per-task=32" in launched["srun.args"]

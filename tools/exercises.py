@@ -18,7 +18,8 @@ solutions/<path> (the solution: the `solution` parts, with "TODO N" comments tur
     python tools/exercises.py --check   # exit 1 if a committed file differs from its source
 
 TODO numbers are unique across the whole course (one number may mark several blocks of the
-same task in one file), so a slide or a question can name "TODO 14" without ambiguity.
+same task in one file), so a slide or a question can name "TODO 14" without ambiguity, and
+they run from 1 without gaps in the order of the course.
 """
 
 from __future__ import annotations
@@ -73,13 +74,16 @@ def todo_numbers(text: str) -> set[int]:
 
 
 def check_numbering(files: dict[Path, str]) -> list[str]:
-    """Numbers used by more than one source file (empty when fine)."""
+    """Numbers used by more than one source file, or missing (empty when fine)."""
     problems, owner = [], {}
     for path, text in files.items():
         for n in todo_numbers(text):
             if n in owner:
                 problems.append(f"TODO {n} is used in both {owner[n].name} and {path.name}")
             owner[n] = path
+    missing = sorted(set(range(1, max(owner, default=0) + 1)) - set(owner))
+    if missing:
+        problems.append(f"TODO numbers must run from 1 without gaps; missing: {missing}")
     return problems
 
 

@@ -1,7 +1,7 @@
 """Tensor parallelism (TP): several GPUs share every layer of one model.
 
 As shipped, this script is the finished DDP step: every rank holds the whole model and its own
-batch. Do the TODOs in order (101 to 111) to split every Transformer block over the GPUs of a
+batch. Do the TODOs in order (23 to 33) to split every Transformer block over the GPUs of a
 node, Megatron style: the ranks of a tensor-parallel group hold a slice of the attention heads
 and of the MLP, compute on the same batch, and combine their partial results with one
 all-reduce per attention and one per MLP. With more ranks than the TP degree, the groups are
@@ -37,13 +37,13 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-# TODO 101: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
+# TODO 23: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
 # (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel), and
-# FSDP2's fully_shard in place of DDP (TODO 107 says why).
+# FSDP2's fully_shard in place of DDP (TODO 29 says why).
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
-# TODO 102: The tensor-parallel plan, as a function of its own (the model file knows nothing of
+# TODO 24: The tensor-parallel plan, as a function of its own (the model file knows nothing of
 # it). Column-wise for q/k/v and the MLP's in_proj (each rank computes some heads or hidden
 # units from the whole input), row-wise for the attention's out_proj and the MLP's out_proj
 # (each rank multiplies its slice; an all-reduce adds the partial results). Decide what to do
@@ -73,7 +73,7 @@ def check_tp_degree(tp: int, world_size: int, cfg) -> None:
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # TODO 103: A --tp option: the tensor-parallel degree. Default: the processes on this node
+    # TODO 25: A --tp option: the tensor-parallel degree. Default: the processes on this node
     # (torchrun's LOCAL_WORLD_SIZE), since TP communicates in every layer and needs the fast
     # links inside a node.
     args = parser.parse_args()
@@ -88,7 +88,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # TODO 104: Check that the model and the world can be split (check_tp_degree), then arrange
+    # TODO 26: Check that the model and the world can be split (check_tp_degree), then arrange
     # the ranks in a 2-D device mesh (dp, tp). TP is the inner dimension: ranks r and r+1 share
     # layers, so a TP group sits inside a node. Ask the mesh for this rank's data-parallel index
     # and size, and the data-parallel process group.
@@ -96,7 +96,7 @@ def main():
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # Give every data-parallel replica its own shard of the data: a DistributedSampler for
     # training, DistributedEvalSampler for validation and test (it counts no sample twice).
-    # TODO 105: Under TP a replica is a whole TP group: its ranks compute on the same batch, so
+    # TODO 27: Under TP a replica is a whole TP group: its ranks compute on the same batch, so
     # the samplers count data-parallel ranks (dp_rank of dp_size), not processes.
     train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
                                        shuffle=True, seed=args.seed, drop_last=True)
@@ -115,10 +115,10 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # TODO 106: Shard the model over the TP dimension of the mesh (apply_tp), then report how
+    # TODO 28: Shard the model over the TP dimension of the mesh (apply_tp), then report how
     # many parameters this rank holds: that is what TP saves in memory.
     # Data parallelism keeps the replicas identical by averaging their gradients in backward().
-    # TODO 107: Average only over the mesh's dp dimension: the ranks of a TP group hold
+    # TODO 29: Average only over the mesh's dp dimension: the ranks of a TP group hold
     # different shards and must not be averaged with each other. DDP expects plain tensors;
     # FSDP2 is built on DTensor like TP, so use it: fully_shard every block, then the root, on
     # the dp sub-mesh (with dp 1 it shards nothing and costs nothing). This is the usual 2-D
@@ -135,7 +135,7 @@ def main():
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
-            # TODO 108: The logits are split over the vocabulary: compute the loss and run the
+            # TODO 30: The logits are split over the vocabulary: compute the loss and run the
             # backward pass inside loss_parallel(), which combines the pieces of the softmax
             # with small all-reduces instead of gathering the logits. The loss is the same on
             # every rank of a TP group: take it as a plain tensor (full_tensor()).
@@ -145,7 +145,7 @@ def main():
             optimizer.step()
             step += 1
             # Each rank's loss covers only its own batch: log the mean over the replicas.
-            # TODO 109: Tokens and losses are counted per data-parallel replica, not per
+            # TODO 31: Tokens and losses are counted per data-parallel replica, not per
             # process: a TP group shares one batch.
             throughput.step(x.numel() * world_size)
             step_loss = all_reduce_mean(loss.detach())
@@ -156,21 +156,22 @@ def main():
             if step == args.max_steps:
                 break
 
-        # TODO 111: evaluate on the data-parallel group
+        throughput.pause()  # evaluation time is not training time
+        # TODO 33: evaluate on the data-parallel group
         val_loss = evaluate(model, val_loader, device)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
             # Save on rank 0 only, the plain model's weights, so the file loads without DDP.
-            # TODO 110: The weights are DTensors, each rank holding a shard: gather them on
+            # TODO 32: The weights are DTensors, each rank holding a shard: gather them on
             # every rank first (gather_full_state_dict), then save0 writes the whole model.
             save0(model, out_dir / "best_model.pt")
         if step == args.max_steps:
             break
 
     # ---- evaluation, saving, summary ----
-    # TODO 109: the global batch is per replica. TODO 111: evaluate on the data-parallel group.
+    # TODO 31: the global batch is per replica. TODO 33: evaluate on the data-parallel group.
     test_loss = evaluate(model, test_loader, device)
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
@@ -178,7 +179,7 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # TODO 110: gather, then save0
+    # TODO 32: gather, then save0
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
     logger.close()
@@ -187,7 +188,7 @@ def main():
     destroy_process_group()
 
 
-# TODO 111: Evaluate like training: the loss inside loss_parallel (its sum comes back as a
+# TODO 33: Evaluate like training: the loss inside loss_parallel (its sum comes back as a
 # DTensor: take full_tensor()), and add up sums and token counts over the data-parallel group
 # only, since the ranks of a TP group evaluated the same samples.
 @torch.no_grad()
@@ -200,13 +201,13 @@ def evaluate(model, loader, device):
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        # TODO 111: loss_parallel, full_tensor()
+        # TODO 33: loss_parallel, full_tensor()
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                     ignore_index=IGNORE_INDEX)
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each replica saw only its share of the split: add up the loss sums and token counts of
     # all replicas before dividing, so the result equals the single-GPU loss exactly.
-    # TODO 111: over the data-parallel group
+    # TODO 33: over the data-parallel group
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
     model.train()
     return (loss_sum / tokens).item()

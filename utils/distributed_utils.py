@@ -8,14 +8,21 @@ from __future__ import annotations
 
 import datetime
 import gc
+import json
 import os
+import shutil
 import socket
 import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.checkpoint.stateful import Stateful
 
 # A crashed or stuck rank makes the others fail after this long instead of hanging for the
 # default 10 (NCCL) or 30 (gloo) minutes. Raise it with DIST_TIMEOUT_MINUTES for huge checkpoints.
@@ -103,6 +110,10 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
+        # mkstemp makes the file private; a saved model is meant to be shared within the project
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
@@ -159,3 +170,118 @@ def destroy_process_group() -> None:
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints of sharded models (FSDP, tensor parallelism): Distributed Checkpoint (DCP)
+
+TRAIN_STATE_FILE = "train_state.json"
+
+
+class AppState(Stateful):
+    """Model and optimizer as one item for torch.distributed.checkpoint.
+
+    DCP calls state_dict() when saving and load_state_dict() after loading. get_state_dict and
+    set_state_dict translate between this rank's shards and fully qualified parameter names, so
+    the files do not depend on how the model was wrapped or on how many ranks wrote them.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        self.model, self.optimizer = model, optimizer
+
+    def state_dict(self) -> dict:
+        if self.optimizer is None:
+            return {"model": get_model_state_dict(self.model)}
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.optimizer is None:
+            set_model_state_dict(self.model, state_dict["model"])
+        else:
+            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
+                           optim_state_dict=state_dict["optim"])
+
+
+def _sibling(path: Path, tag: str) -> Path:
+    return path.parent / f".{path.name}.{tag}"
+
+
+def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       path: str | os.PathLike, train_state: dict | None = None) -> Path:
+    """Write a DCP checkpoint folder: every rank writes its own shards, in parallel.
+
+    Call it on every rank, with the same `path` on a file system all ranks share. The folder
+    appears only when complete: DCP writes into .NAME.partial next to it, rank 0 adds
+    train_state.json (step, epoch, model configuration: anything JSON), then renames it into
+    place. An interrupted save leaves the previous checkpoint untouched. (A crash between the
+    two renames below leaves it as .NAME.old: rename that back.)
+    """
+    path = Path(path)
+    partial, old = _sibling(path, "partial"), _sibling(path, "old")
+    if is_root_process():
+        shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
+        partial.mkdir(parents=True)
+    barrier()
+    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=partial)
+    if is_root_process():
+        (partial / TRAIN_STATE_FILE).write_text(json.dumps(train_state or {}, indent=1) + "\n")
+        if path.exists():
+            os.replace(path, old)
+        os.replace(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    barrier()  # nobody reads `path` before it is complete
+    return path
+
+
+def read_train_state(path: str | os.PathLike) -> dict:
+    """train_state.json of a checkpoint folder written by save_sharded_model."""
+    path = Path(path)
+    if not (path / TRAIN_STATE_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a checkpoint folder written by "
+                                f"save_sharded_model (it has no {TRAIN_STATE_FILE})")
+    return json.loads((path / TRAIN_STATE_FILE).read_text())
+
+
+def load_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                       path: str | os.PathLike, model_config: dict | None = None) -> dict:
+    """Load a checkpoint written by save_sharded_model into `model` (and `optimizer`).
+
+    Call it on every rank, after wrapping the model and making the optimizer. The world size
+    may differ from the one that saved: each rank reads the pieces of the files that overlap
+    its own shards. Returns the checkpoint's train_state. With `model_config`, a checkpoint of
+    another model fails with one line naming the differences, before any tensor is read.
+    """
+    path = Path(path)
+    train_state = read_train_state(path)
+    saved = train_state.get("model_config")
+    if model_config is not None and saved is not None and saved != model_config:
+        diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {model_config.get(k)} (now)"
+                         for k in sorted(set(saved) | set(model_config))
+                         if saved.get(k) != model_config.get(k))
+        raise ValueError(f"checkpoint {path} was written for another model: {diff}; use the "
+                         "--preset, --seq-len and data of the run that wrote it")
+    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=path)
+    return train_state
+
+
+def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
+    """Gather the full weights on rank 0 (into CPU memory) and write one ordinary state_dict.
+
+    Call it on every rank (gathering is a collective). The file loads with
+    torch.load(path, weights_only=True) into a plain TransformerLM, without any process group:
+    for inference or sharing. cpu_offload keeps the full model out of GPU memory; the other
+    ranks receive an empty dict.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    if is_root_process():
+        atomic_torch_save(state, path)
+    barrier()
+
+
+def gather_per_rank(value: float, device: torch.device) -> list[float]:
+    """`value` of every rank, in rank order, on every rank (for per-rank reports)."""
+    values = torch.zeros(get_world_size(), dtype=torch.float64, device=device)
+    values[get_rank()] = value
+    return all_reduce_sum(values).tolist()

@@ -36,17 +36,20 @@ GPU_PEAK_FLOPS = {
 
 def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 1024,
                          seconds: float = 0.3) -> float:
-    """FLOP/s of a square matmul on `device`: the peak MFU divides by where no data sheet applies."""
+    """FLOP/s of the fastest of repeated square matmuls on `device`: the peak MFU divides by
+    where no data sheet applies. The fastest, not the mean: other work on a shared machine only
+    ever slows a matmul down."""
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     a @ b  # warm-up
-    synchronize(device)
-    reps, start = 0, time.perf_counter()
+    best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:
+        synchronize(device)
+        t = time.perf_counter()
         a @ b
-        reps += 1
-    synchronize(device)
-    return 2 * n ** 3 * reps / (time.perf_counter() - start)
+        synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
 
 
 def peak_flops(device: torch.device, dtype=torch.float32) -> tuple[float, str]:
@@ -79,26 +82,51 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-class Throughput:
-    """Tokens per second over training steps, leaving out the first (warm-up) step."""
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
+    """Bytes of this rank's parameters, gradients and optimizer state.
 
-    def __init__(self, device: torch.device, warmup_steps: int = 1):
-        self.device, self.warmup_steps = device, warmup_steps
-        self.steps, self.tokens, self.start = 0, 0, None
+    Under DDP every rank holds all of them; under FSDP only its shard (a DTensor's local part),
+    which is what sharding saves, whatever else (activations, buffers) the device holds.
+    """
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    tensors = [p for p in model.parameters()] + [p.grad for p in model.parameters()
+                                                 if p.grad is not None]
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values()
+                    if isinstance(v, torch.Tensor) and v.dim() > 0]  # leave out step counters
+    return sum(local(t).numel() * t.element_size() for t in tensors)
+
+
+class Throughput:
+    """Training tokens per second: the time from each step to the next, with pauses left out.
+
+    Call step(tokens) after every optimizer step and pause() before an evaluation: the first
+    step after the start or a pause only starts the clock again, so warm-up, evaluation and
+    data-loader restarts do not count as training time.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.tokens, self.seconds, self.last = 0, 0.0, None
 
     def step(self, tokens: int) -> None:
-        self.steps += 1
-        if self.steps == self.warmup_steps:
-            synchronize(self.device)
-            self.start = time.perf_counter()
-        elif self.steps > self.warmup_steps:
+        now = time.perf_counter()
+        if self.last is not None:
             self.tokens += tokens
+            self.seconds += now - self.last
+        self.last = now
+
+    def pause(self) -> None:
+        synchronize(self.device)  # finish the queued steps: their time belongs to training
+        if self.last is not None:
+            self.seconds += time.perf_counter() - self.last
+        self.last = None
 
     def tokens_per_s(self) -> float:
-        if self.start is None or self.tokens == 0:
-            return float("nan")
-        synchronize(self.device)
-        return self.tokens / (time.perf_counter() - self.start)
+        self.pause()
+        return self.tokens / self.seconds if self.tokens else float("nan")
 
 
 def perplexity(loss: float) -> float:

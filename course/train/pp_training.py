@@ -1,7 +1,7 @@
 """Pipeline parallelism (PP): each GPU holds a few consecutive layers, a stage of the model.
 
 As shipped, this script is the finished DDP step: every rank holds the whole model and its own
-batch. Do the TODOs in order (201 to 211) to cut the model into one stage per rank: the first
+batch. Do the TODOs in order (34 to 44) to cut the model into one stage per rank: the first
 stage embeds the tokens, each stage sends its activations to the next, the last stage computes
 the loss, and the gradients flow back the same way. A batch is split into microbatches so the
 stages can work at the same time; the script reports how much of each step every stage spent
@@ -35,7 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-# TODO 201: Import the pipelining tools (PipelineStage, the ScheduleGPipe and Schedule1F1B
+# TODO 34: Import the pipelining tools (PipelineStage, the ScheduleGPipe and Schedule1F1B
 # schedules), Distributed Checkpoint, torch.distributed for the loss broadcast, and the bubble
 # helpers from utils/metrics.py. DDP goes: a stage has nothing to average with.
 #| exercise
@@ -56,7 +56,7 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 #| end
 
 
-# TODO 202: Cut the model into stages. A stage keeps its own blocks and deletes the others from
+# TODO 35: Cut the model into stages. A stage keeps its own blocks and deletes the others from
 # the ModuleDict (the remaining keys keep their names, so checkpoints match the whole model);
 # only the first stage keeps the embeddings, only the last keeps the final norm and the output
 # layer (set the others to None: the model's forward skips them).
@@ -123,7 +123,7 @@ def lm_loss_sum(logits, targets):
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # TODO 203: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
+    # TODO 36: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
     # batch), and --layers-per-stage for an uneven split (e.g. 3,5).
     #| exercise
     #| solution
@@ -145,7 +145,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # TODO 204: One stage per rank, in rank order. Check that the model and the batch split.
+    # TODO 37: One stage per rank, in rank order. Check that the model and the batch split.
     #| exercise
     #| solution
     num_stages, stage_index = world_size, rank
@@ -155,7 +155,7 @@ def main():
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # Give every data-parallel replica its own shard of the data: a DistributedSampler for
     # training, DistributedEvalSampler for validation and test (it counts no sample twice).
-    # TODO 205: The stages of a pipeline are one replica: they all read the same batches (the
+    # TODO 38: The stages of a pipeline are one replica: they all read the same batches (the
     # first uses the tokens, the last the targets). One replica, replica 0.
     #| exercise
     train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
@@ -181,7 +181,7 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # TODO 206: Instead of DDP: keep only this rank's stage (split_pipeline_stage), wrap it in a
+    # TODO 39: Instead of DDP: keep only this rank's stage (split_pipeline_stage), wrap it in a
     # PipelineStage (it sends and receives the activations), and build the training schedule
     # (mean loss) and an evaluation schedule (summed loss). A StageBusyTimer on the stage
     # measures how long it computes.
@@ -210,7 +210,7 @@ def main():
         train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # TODO 207: The schedule runs forward, loss and backward for all microbatches: the
+            # TODO 40: The schedule runs forward, loss and backward for all microbatches: the
             # first stage passes the tokens, the last the targets and a list for the
             # microbatch losses, a stage in the middle neither. Time the step for the bubble.
             #| exercise
@@ -228,7 +228,7 @@ def main():
             #| end
             optimizer.step()
             step += 1
-            # TODO 208: Only the last stage knows the loss: the mean of its microbatch losses.
+            # TODO 41: Only the last stage knows the loss: the mean of its microbatch losses.
             # Broadcast it from there, so every rank logs (and rank 0 reports) the same value.
             # One pipeline processes one batch per step: count its tokens once.
             #| exercise
@@ -248,7 +248,8 @@ def main():
             if step == args.max_steps:
                 break
 
-        # TODO 210: evaluate through the pipeline
+        throughput.pause()  # evaluation time is not training time
+        # TODO 43: evaluate through the pipeline
         #| exercise
         val_loss = evaluate(model, val_loader, device)
         #| solution
@@ -258,7 +259,7 @@ def main():
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
-            # TODO 209: No rank holds the whole model: save with Distributed Checkpoint, every
+            # TODO 42: No rank holds the whole model: save with Distributed Checkpoint, every
             # stage writing its own part into one folder. The keys are the whole model's
             # ("layers.5..." stays "layers.5..."), so the folder loads into the unsplit model.
             #| exercise
@@ -270,7 +271,7 @@ def main():
             break
 
     # ---- evaluation, saving, summary ----
-    # TODO 210: evaluate through the pipeline. TODO 211: report the bubble.
+    # TODO 43: evaluate through the pipeline. TODO 44: report the bubble.
     #| exercise
     test_loss = evaluate(model, test_loader, device)
     summary = training_summary(
@@ -298,7 +299,7 @@ def main():
     #| end
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # TODO 209: Distributed Checkpoint
+    # TODO 42: Distributed Checkpoint
     #| exercise
     save0(model, out_dir / "final_model.pt")
     #| solution
@@ -315,7 +316,7 @@ def main():
     destroy_process_group()
 
 
-# TODO 210: Evaluate through the pipeline with the evaluation schedule's forward-only eval():
+# TODO 43: Evaluate through the pipeline with the evaluation schedule's forward-only eval():
 # the last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
 # fill a short last batch with padding samples, whose IGNORE_INDEX targets count nowhere.
 # The sums exist on the last stage only: broadcast them.
@@ -333,7 +334,7 @@ def evaluate(model, loader, device, stage, schedule):
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        # TODO 210: pad, then eval() through the pipeline
+        # TODO 43: pad, then eval() through the pipeline
         #| exercise
         logits = model(x)
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
@@ -352,7 +353,7 @@ def evaluate(model, loader, device, stage, schedule):
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each rank saw only its share of the split: add up the loss sums and token counts of
     # all ranks before dividing, so the result equals the single-GPU loss exactly.
-    # TODO 210: broadcast from the last stage instead
+    # TODO 43: broadcast from the last stage instead
     #| exercise
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
     #| solution

@@ -146,6 +146,7 @@ def main():
                 #| end
                 logger.log({"train/loss": step_loss.item()}, step)
 
+        throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
         # TODO 9: print0
         #| exercise

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
 from torch.utils.data import DataLoader
@@ -227,6 +227,7 @@ def main():
                 logger.log({"train/loss": step_loss.item()}, step)
             if step == args.max_steps:
                 break
+        throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule, dp_group,
                             pp_group, last_stage)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
@@ -291,6 +292,7 @@ def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_st
     # sums over the replicas' shares of the split (on the last stage), then to every stage
     loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
     dist.broadcast(loss_sum, group=pp_group, group_src=last_stage)
+    model.reshard()  # FSDP frees the gathered weights after backward; evaluation has none
     model.train()
     return (loss_sum / tokens).item()
 

@@ -1,7 +1,7 @@
 """Pipeline parallelism (PP): each GPU holds a few consecutive layers, a stage of the model.
 
 As shipped, this script is the finished DDP step: every rank holds the whole model and its own
-batch. Do the TODOs in order (201 to 211) to cut the model into one stage per rank: the first
+batch. Do the TODOs in order (34 to 44) to cut the model into one stage per rank: the first
 stage embeds the tokens, each stage sends its activations to the next, the last stage computes
 the loss, and the gradients flow back the same way. A batch is split into microbatches so the
 stages can work at the same time; the script reports how much of each step every stage spent
@@ -35,7 +35,7 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-# DONE 201: Import the pipelining tools (PipelineStage, the ScheduleGPipe and Schedule1F1B
+# DONE 34: Import the pipelining tools (PipelineStage, the ScheduleGPipe and Schedule1F1B
 # schedules), Distributed Checkpoint, torch.distributed for the loss broadcast, and the bubble
 # helpers from utils/metrics.py. DDP goes: a stage has nothing to average with.
 import sys
@@ -52,7 +52,7 @@ from utils.metrics import StageBusyTimer, pipeline_bubble_fraction
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-# DONE 202: Cut the model into stages. A stage keeps its own blocks and deletes the others from
+# DONE 35: Cut the model into stages. A stage keeps its own blocks and deletes the others from
 # the ModuleDict (the remaining keys keep their names, so checkpoints match the whole model);
 # only the first stage keeps the embeddings, only the last keeps the final norm and the output
 # layer (set the others to None: the model's forward skips them).
@@ -116,7 +116,7 @@ def lm_loss_sum(logits, targets):
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # DONE 203: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
+    # DONE 36: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
     # batch), and --layers-per-stage for an uneven split (e.g. 3,5).
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     parser.add_argument("--microbatches", type=int, default=4,
@@ -135,14 +135,14 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # DONE 204: One stage per rank, in rank order. Check that the model and the batch split.
+    # DONE 37: One stage per rank, in rank order. Check that the model and the batch split.
     num_stages, stage_index = world_size, rank
     check_pipeline(args, cfg, num_stages)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # Give every data-parallel replica its own shard of the data: a DistributedSampler for
     # training, DistributedEvalSampler for validation and test (it counts no sample twice).
-    # DONE 205: The stages of a pipeline are one replica: they all read the same batches (the
+    # DONE 38: The stages of a pipeline are one replica: they all read the same batches (the
     # first uses the tokens, the last the targets). One replica, replica 0.
     train_sampler = DistributedSampler(train_ds, num_replicas=1, rank=0,
                                        shuffle=True, seed=args.seed, drop_last=True)
@@ -161,7 +161,7 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # DONE 206: Instead of DDP: keep only this rank's stage (split_pipeline_stage), wrap it in a
+    # DONE 39: Instead of DDP: keep only this rank's stage (split_pipeline_stage), wrap it in a
     # PipelineStage (it sends and receives the activations), and build the training schedule
     # (mean loss) and an evaluation schedule (summed loss). A StageBusyTimer on the stage
     # measures how long it computes.
@@ -186,7 +186,7 @@ def main():
         train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DONE 207: The schedule runs forward, loss and backward for all microbatches: the
+            # DONE 40: The schedule runs forward, loss and backward for all microbatches: the
             # first stage passes the tokens, the last the targets and a list for the
             # microbatch losses, a stage in the middle neither. Time the step for the bubble.
             optimizer.zero_grad(set_to_none=True)
@@ -197,7 +197,7 @@ def main():
             idle_history.append(timer.idle_fraction())
             optimizer.step()
             step += 1
-            # DONE 208: Only the last stage knows the loss: the mean of its microbatch losses.
+            # DONE 41: Only the last stage knows the loss: the mean of its microbatch losses.
             # Broadcast it from there, so every rank logs (and rank 0 reports) the same value.
             # One pipeline processes one batch per step: count its tokens once.
             throughput.step(x.numel())
@@ -211,13 +211,14 @@ def main():
             if step == args.max_steps:
                 break
 
-        # DONE 210: evaluate through the pipeline
+        throughput.pause()  # evaluation time is not training time
+        # DONE 43: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
-            # DONE 209: No rank holds the whole model: save with Distributed Checkpoint, every
+            # DONE 42: No rank holds the whole model: save with Distributed Checkpoint, every
             # stage writing its own part into one folder. The keys are the whole model's
             # ("layers.5..." stays "layers.5..."), so the folder loads into the unsplit model.
             dcp.save(model.state_dict(), checkpoint_id=out_dir / "best_model")
@@ -225,7 +226,7 @@ def main():
             break
 
     # ---- evaluation, saving, summary ----
-    # DONE 210: evaluate through the pipeline. DONE 211: report the bubble.
+    # DONE 43: evaluate through the pipeline. DONE 44: report the bubble.
     test_loss = evaluate(model, test_loader, device, stage, eval_schedule)
     # The median idle share of this stage's steps (the first one also sets the pipeline up),
     # gathered from every stage.
@@ -245,7 +246,7 @@ def main():
         idle_fraction_per_stage=idle.tolist(), bubble_fraction_theory=bubble)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # DONE 209: Distributed Checkpoint
+    # DONE 42: Distributed Checkpoint
     dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
     write_summary(out_dir, summary)
     logger.close()
@@ -254,7 +255,7 @@ def main():
     destroy_process_group()
 
 
-# DONE 210: Evaluate through the pipeline with the evaluation schedule's forward-only eval():
+# DONE 43: Evaluate through the pipeline with the evaluation schedule's forward-only eval():
 # the last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
 # fill a short last batch with padding samples, whose IGNORE_INDEX targets count nowhere.
 # The sums exist on the last stage only: broadcast them.
@@ -267,7 +268,7 @@ def evaluate(model, loader, device, stage, schedule):
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        # DONE 210: pad, then eval() through the pipeline
+        # DONE 43: pad, then eval() through the pipeline
         if len(x) < loader.batch_size:
             pad = loader.batch_size - len(x)
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
@@ -280,7 +281,7 @@ def evaluate(model, loader, device, stage, schedule):
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each rank saw only its share of the split: add up the loss sums and token counts of
     # all ranks before dividing, so the result equals the single-GPU loss exactly.
-    # DONE 210: broadcast from the last stage instead
+    # DONE 43: broadcast from the last stage instead
     dist.broadcast(loss_sum, src=dist.get_world_size() - 1)
     model.train()
     return (loss_sum / tokens).item()

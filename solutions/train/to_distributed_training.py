@@ -104,6 +104,7 @@ def main():
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 logger.log({"train/loss": step_loss.item()}, step)
 
+        throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
         # DONE 9: print0
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")

@@ -1,7 +1,7 @@
 """Tensor parallelism (TP): several GPUs share every layer of one model.
 
 As shipped, this script is the finished DDP step: every rank holds the whole model and its own
-batch. Do the TODOs in order (101 to 111) to split every Transformer block over the GPUs of a
+batch. Do the TODOs in order (23 to 33) to split every Transformer block over the GPUs of a
 node, Megatron style: the ranks of a tensor-parallel group hold a slice of the attention heads
 and of the MLP, compute on the same batch, and combine their partial results with one
 all-reduce per attention and one per MLP. With more ranks than the TP degree, the groups are
@@ -37,9 +37,9 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-# DONE 101: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
+# DONE 23: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
 # (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel), and
-# FSDP2's fully_shard in place of DDP (DONE 107 says why).
+# FSDP2's fully_shard in place of DDP (DONE 29 says why).
 import os
 
 from torch.distributed.device_mesh import init_device_mesh
@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 
-# DONE 102: The tensor-parallel plan, as a function of its own (the model file knows nothing of
+# DONE 24: The tensor-parallel plan, as a function of its own (the model file knows nothing of
 # it). Column-wise for q/k/v and the MLP's in_proj (each rank computes some heads or hidden
 # units from the whole input), row-wise for the attention's out_proj and the MLP's out_proj
 # (each rank multiplies its slice; an all-reduce adds the partial results). Decide what to do
@@ -106,7 +106,7 @@ def check_tp_degree(tp: int, world_size: int, cfg) -> None:
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # DONE 103: A --tp option: the tensor-parallel degree. Default: the processes on this node
+    # DONE 25: A --tp option: the tensor-parallel degree. Default: the processes on this node
     # (torchrun's LOCAL_WORLD_SIZE), since TP communicates in every layer and needs the fast
     # links inside a node.
     parser.add_argument("--tp", type=int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
@@ -123,7 +123,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # DONE 104: Check that the model and the world can be split (check_tp_degree), then arrange
+    # DONE 26: Check that the model and the world can be split (check_tp_degree), then arrange
     # the ranks in a 2-D device mesh (dp, tp). TP is the inner dimension: ranks r and r+1 share
     # layers, so a TP group sits inside a node. Ask the mesh for this rank's data-parallel index
     # and size, and the data-parallel process group.
@@ -136,7 +136,7 @@ def main():
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # Give every data-parallel replica its own shard of the data: a DistributedSampler for
     # training, DistributedEvalSampler for validation and test (it counts no sample twice).
-    # DONE 105: Under TP a replica is a whole TP group: its ranks compute on the same batch, so
+    # DONE 27: Under TP a replica is a whole TP group: its ranks compute on the same batch, so
     # the samplers count data-parallel ranks (dp_rank of dp_size), not processes.
     train_sampler = DistributedSampler(train_ds, num_replicas=dp_size, rank=dp_rank,
                                        shuffle=True, seed=args.seed, drop_last=True)
@@ -155,14 +155,14 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # DONE 106: Shard the model over the TP dimension of the mesh (apply_tp), then report how
+    # DONE 28: Shard the model over the TP dimension of the mesh (apply_tp), then report how
     # many parameters this rank holds: that is what TP saves in memory.
     model = apply_tp(model, mesh["tp"])
     local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                        for p in model.parameters())
     print0(f"mesh dp {dp_size} x tp {args.tp}: {local_params / 1e6:.2f}M parameters per rank")
     # Data parallelism keeps the replicas identical by averaging their gradients in backward().
-    # DONE 107: Average only over the mesh's dp dimension: the ranks of a TP group hold
+    # DONE 29: Average only over the mesh's dp dimension: the ranks of a TP group hold
     # different shards and must not be averaged with each other. DDP expects plain tensors;
     # FSDP2 is built on DTensor like TP, so use it: fully_shard every block, then the root, on
     # the dp sub-mesh (with dp 1 it shards nothing and costs nothing). This is the usual 2-D
@@ -181,7 +181,7 @@ def main():
         for x, y in train_loader:
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
-            # DONE 108: The logits are split over the vocabulary: compute the loss and run the
+            # DONE 30: The logits are split over the vocabulary: compute the loss and run the
             # backward pass inside loss_parallel(), which combines the pieces of the softmax
             # with small all-reduces instead of gathering the logits. The loss is the same on
             # every rank of a TP group: take it as a plain tensor (full_tensor()).
@@ -193,7 +193,7 @@ def main():
             optimizer.step()
             step += 1
             # Each rank's loss covers only its own batch: log the mean over the replicas.
-            # DONE 109: Tokens and losses are counted per data-parallel replica, not per
+            # DONE 31: Tokens and losses are counted per data-parallel replica, not per
             # process: a TP group shares one batch.
             throughput.step(x.numel() * dp_size)
             step_loss = all_reduce_mean(loss.detach(), group=dp_group)
@@ -204,21 +204,22 @@ def main():
             if step == args.max_steps:
                 break
 
-        # DONE 111: evaluate on the data-parallel group
+        throughput.pause()  # evaluation time is not training time
+        # DONE 33: evaluate on the data-parallel group
         val_loss = evaluate(model, val_loader, device, dp_group)
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
             # Save on rank 0 only, the plain model's weights, so the file loads without DDP.
-            # DONE 110: The weights are DTensors, each rank holding a shard: gather them on
+            # DONE 32: The weights are DTensors, each rank holding a shard: gather them on
             # every rank first (gather_full_state_dict), then save0 writes the whole model.
             save0(gather_full_state_dict(model), out_dir / "best_model.pt")
         if step == args.max_steps:
             break
 
     # ---- evaluation, saving, summary ----
-    # DONE 109: the global batch is per replica. DONE 111: evaluate on the data-parallel group.
+    # DONE 31: the global batch is per replica. DONE 33: evaluate on the data-parallel group.
     test_loss = evaluate(model, test_loader, device, dp_group)
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
@@ -228,7 +229,7 @@ def main():
         params_per_rank=local_params)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # DONE 110: gather, then save0
+    # DONE 32: gather, then save0
     save0(gather_full_state_dict(model), out_dir / "final_model.pt")
     write_summary(out_dir, summary)
     logger.close()
@@ -237,7 +238,7 @@ def main():
     destroy_process_group()
 
 
-# DONE 111: Evaluate like training: the loss inside loss_parallel (its sum comes back as a
+# DONE 33: Evaluate like training: the loss inside loss_parallel (its sum comes back as a
 # DTensor: take full_tensor()), and add up sums and token counts over the data-parallel group
 # only, since the ranks of a TP group evaluated the same samples.
 @torch.no_grad()
@@ -250,15 +251,16 @@ def evaluate(model, loader, device, dp_group):
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         logits = model(x)
-        # DONE 111: loss_parallel, full_tensor()
+        # DONE 33: loss_parallel, full_tensor()
         with loss_parallel():
             loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                         ignore_index=IGNORE_INDEX).full_tensor()
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each replica saw only its share of the split: add up the loss sums and token counts of
     # all replicas before dividing, so the result equals the single-GPU loss exactly.
-    # DONE 111: over the data-parallel group
+    # DONE 33: over the data-parallel group
     loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)
+    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none
     model.train()
     return (loss_sum / tokens).item()
 

@@ -1,0 +1,230 @@
+"""Train the course's Transformer LM with PyTorch Lightning: the DDP lesson, done by a Trainer.
+
+This file has no TODOs: train/Lit_training.py and solutions/train/Lit_training.py are the same
+file. Read it next to solutions/train/to_distributed_training.py to see which of the DDP lesson's
+steps Lightning takes over (docs/lightning.md has the list). The network, loss and optimizer are
+in model/transformerLM.py, the data loaders in utils/lit_data.py.
+
+Run it:
+    python train/Lit_training.py --preset tiny --max-steps 50      # laptop: 2 CPU processes, DDP
+    python train/Lit_training.py --preset tiny --devices 1         # one process
+    python train/Lit_training.py --preset tiny --strategy fsdp2    # FSDP2 (ModelParallelStrategy)
+    sbatch Lit_training.sbatch                                     # nodes and GPUs from Slurm
+Outside Slurm, Lightning starts the processes itself. Under srun it starts none: every Slurm task
+is one training process, and the nodes and processes per node come from the job.
+"""
+
+import os
+import socket
+import sys
+import time
+import warnings
+from functools import partial
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
+from lightning.pytorch.plugins.environments import SLURMEnvironment
+from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_only
+from torch.distributed.fsdp import fully_shard
+
+from model import get_config
+from model.transformerLM import LitTransformerLM
+from utils.args import base_parser
+from utils.data import load_corpus_or_exit
+from utils.distributed_utils import destroy_process_group
+from utils.lit_data import WikiText2DataModule
+from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+
+# Lightning's rank_zero_only is the DDP lesson's print0; it knows the rank before any process group.
+print0 = rank_zero_only(partial(print, flush=True))
+# Off the cluster --num-workers is 0 on purpose (the windows are in memory): no warning for that.
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+
+def parse_args():
+    parser = base_parser(__file__, __doc__)
+    lit = parser.add_argument_group("Lightning")
+    lit.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp",
+                     help="ddp, or fsdp2: fully_shard through Lightning's ModelParallelStrategy")
+    lit.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default=None,
+                     help="default from --device: GPUs when there are any, else the CPU")
+    lit.add_argument("--devices", type=int, default=None,
+                     help="processes per node (default: Slurm's tasks per node, else every GPU, "
+                          "else 2 CPU processes)")
+    lit.add_argument("--num-nodes", type=int, default=None,
+                     help="nodes (default: the nodes of the Slurm job step, else 1)")
+    return parser.parse_args()
+
+
+def slurm_layout() -> tuple[int, int] | None:
+    """(nodes, processes per node) when srun started this process, else None.
+
+    Lightning's SLURM convention: srun starts one task per GPU (`--ntasks-per-node` = GPUs per
+    node) and each task is one training process, so Lightning launches nothing itself. Lightning
+    checks that devices and num_nodes agree with the job: we take them from the job.
+    """
+    if not SLURMEnvironment.detect():  # no srun (or an interactive job named bash/interactive)
+        return None
+    if "SLURM_NTASKS_PER_NODE" not in os.environ:
+        sys.exit("error: start the training tasks with --ntasks-per-node=<GPUs per node> "
+                 "(Lightning's SLURM convention), not --ntasks")
+    return int(os.environ["SLURM_NNODES"]), int(os.environ["SLURM_NTASKS_PER_NODE"])
+
+
+def trainer_settings(args) -> dict:
+    """accelerator, devices, num_nodes, strategy and cluster plugin for this run."""
+    accelerator = args.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}[args.device]
+    layout = slurm_layout()
+    if layout is not None:
+        num_nodes, devices = layout
+        # SIGUSR1 (sbatch --signal=SIGUSR1@90) before the time limit: Lightning saves a
+        # checkpoint in default_root_dir and requeues the job, which resumes from it.
+        plugins = [SLURMEnvironment(auto_requeue=True)]
+    else:
+        use_gpu = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
+        num_nodes, devices, plugins = 1, (torch.cuda.device_count() if use_gpu else 2), []
+    num_nodes, devices = args.num_nodes or num_nodes, args.devices or devices
+    if args.strategy == "fsdp2":
+        # Every process is one data-parallel rank: say so, or ModelParallelStrategy's default
+        # makes the processes of a node a tensor-parallel group that all read the same batches.
+        strategy = ModelParallelStrategy(data_parallel_size=num_nodes * devices,
+                                         tensor_parallel_size=1)
+    else:
+        strategy = DDPStrategy()
+    return dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
+                plugins=plugins)
+
+
+def apply_fsdp(model, device_mesh) -> None:
+    """FSDP2, as in the FSDP step: each block is one unit (its weights are gathered just before
+    it runs and freed after), then the root takes the embeddings, final norm and output layer."""
+    mesh = device_mesh["data_parallel"]
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+class CourseLog(Callback):
+    """What the plain scripts print and report: one `setup:` line per process, the loss every
+    --log-every steps, validation results, and the loss history and tokens/s for summary.json.
+
+    Its state is saved in Lightning's checkpoints, so a requeued job continues the loss history.
+    """
+
+    def __init__(self, log_every: int):
+        self.log_every, self.loss_history, self.throughput = log_every, [], None
+
+    def setup(self, trainer, pl_module, stage):
+        if stage == "fit" and trainer.world_size > 1:
+            # One line per process, so a log shows at once which ranks started where.
+            print(f"setup: rank {trainer.global_rank}/{trainer.world_size} local_rank "
+                  f"{trainer.local_rank} host {socket.gethostname()} device {pl_module.device} "
+                  f"backend {trainer.strategy.process_group_backend} "
+                  f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} "
+                  f"MASTER_PORT={os.environ.get('MASTER_PORT')}", flush=True)
+
+    def on_train_start(self, trainer, pl_module):
+        self.throughput = Throughput(pl_module.device)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        loss = trainer.callback_metrics["train/loss"]  # logged with sync_dist: the mean over ranks
+        self.loss_history.append(loss.detach().clone())
+        self.throughput.step(batch[0].numel() * trainer.world_size)
+        step = trainer.global_step
+        if step % self.log_every == 0:
+            print0(f"epoch {trainer.current_epoch} step {step} loss {loss.item():.4f}")
+        if step == trainer.max_steps:
+            # Stop here and validate the final weights, as the plain scripts do (without this,
+            # Lightning would end at max_steps without validating).
+            trainer.should_stop = True
+
+    def on_validation_start(self, trainer, pl_module):
+        if self.throughput is not None:
+            self.throughput.pause()  # evaluation time is not training time
+
+    def on_validation_end(self, trainer, pl_module):
+        loss = trainer.callback_metrics["val/loss"].item()
+        print0(f"epoch {trainer.current_epoch} validation loss {loss:.4f} "
+               f"perplexity {perplexity(loss):.1f}")
+
+    def state_dict(self):
+        return {"loss_history": [float(v) for v in self.loss_history]}
+
+    def load_state_dict(self, state_dict):
+        self.loss_history = [torch.tensor(v) for v in state_dict["loss_history"]]
+
+
+def main():
+    args = parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+    L.seed_everything(args.seed, verbose=False)  # the same weights on every rank (and as plain)
+
+    # ---- data ----
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    data = WikiText2DataModule(corpus, cfg.max_seq_len, args.batch_size, args.num_workers, args.seed)
+
+    # ---- model (and, inside it, loss and optimizer) ----
+    lit_model = LitTransformerLM(cfg, args.lr, args.weight_decay,
+                                 parallelize=apply_fsdp if args.strategy == "fsdp2" else None)
+    flops_per_tok = flops_per_token(lit_model.model.num_params(exclude_embeddings=True),
+                                    cfg.n_layers, cfg.d_model, cfg.max_seq_len)
+
+    # ---- trainer: processes, process group, DDP/FSDP2, devices, logging, checkpoints ----
+    settings = trainer_settings(args)
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(data.train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{lit_model.model.num_params() / 1e6:.1f}M parameters; world size "
+           f"{settings['num_nodes'] * settings['devices']}; strategy {args.strategy}")
+    if args.logger == "tensorboard":  # the plain scripts' layout: OUT_DIR/tensorboard
+        logger = TensorBoardLogger(out_dir, name="tensorboard", version="", default_hp_metric=False)
+    elif args.logger == "wandb":  # offline: compute nodes have no internet (`wandb sync` later)
+        os.environ.setdefault("WANDB_CACHE_DIR", str(out_dir / "wandb-cache"))
+        logger = WandbLogger(project="distributed-training-course", name=out_dir.name,
+                             save_dir=str(out_dir), offline=True)
+    else:
+        logger = False
+    course_log = CourseLog(args.log_every)
+    # Checkpoints by Lightning: the best validation loss and the last state (with the optimizer).
+    checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor="val/loss", mode="min",
+                                  save_last=True)
+    trainer = L.Trainer(
+        **settings, max_epochs=args.epochs, max_steps=args.max_steps or -1,
+        default_root_dir=out_dir,  # where a requeued job finds its checkpoint (hpc_ckpt_*.ckpt)
+        logger=logger, log_every_n_steps=args.log_every, callbacks=[course_log, checkpoints],
+        use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)
+        num_sanity_val_steps=0, enable_progress_bar=False)
+
+    # ---- training, evaluation ----
+    trainer.fit(lit_model, datamodule=data)
+    val_loss = trainer.callback_metrics["val/loss"].item()
+    loss_history = list(course_log.loss_history)
+    # Test the final weights: Lightning's last checkpoint (saved after the final validation).
+    # Without a ckpt_path, test() under Slurm would reload the requeue checkpoint, if there is one.
+    trainer.test(lit_model, datamodule=data, ckpt_path=checkpoints.last_model_path, verbose=False)
+    test_loss = trainer.callback_metrics["test/loss"].item()
+
+    # ---- summary (root process only, once, at the very end) ----
+    summary = training_summary(
+        args, cfg, corpus, world_size=trainer.world_size, steps=trainer.global_step,
+        loss_history=loss_history, val_loss=val_loss, test_loss=test_loss,
+        throughput=course_log.throughput, flops_per_token=flops_per_tok, device=lit_model.device,
+        start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,
+        devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path)
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+    write_summary(out_dir, summary)
+    # Lightning would destroy the process group at exit; doing it here, after freeing the wrapped
+    # model and a barrier (see utils/distributed_utils.py), avoids rare aborts at teardown.
+    del trainer, lit_model
+    destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,253 @@
+"""Train the causal Transformer LM with FSDP2 and Distributed Checkpoint: step 2 of the course.
+
+As shipped, this script is the solution of step 1: it trains with DistributedDataParallel (DDP),
+where every rank holds the whole model, its gradients and its optimizer state. Do TODOs 17 to 22
+in order to shard all three over the ranks with FSDP2 (`fully_shard`), to save and resume
+sharded checkpoints with Distributed Checkpoint (DCP), and to export one ordinary weights file.
+Check your work with
+    diff -u train/fsdp_training.py solutions/train/fsdp_training.py
+
+Run it (the same commands before and after the TODOs; compare the "memory per rank" lines):
+    python train/fsdp_training.py --preset tiny --max-steps 50                           # 1 process
+    torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 50
+    sbatch fsdp_training.sbatch                                                  # 2 nodes x 4 GPUs
+When the TODOs are done, continue a run from its last checkpoint (at any number of ranks):
+    torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 100 \\
+        --resume runs/fsdp_training/checkpoints/last
+"""
+
+import itertools
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from model import TransformerLM, get_config
+from utils.args import base_parser
+from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.metrics import (MetricLogger, Throughput, flops_per_token, model_state_bytes,
+                           peak_memory_bytes, perplexity, training_summary, write_summary)
+from torch.utils.data.distributed import DistributedSampler
+from utils.data import DistributedEvalSampler
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     gather_per_rank, print0, setup)
+# DONE 17: Import FSDP2's fully_shard and MixedPrecisionPolicy, and the checkpoint helpers
+# save_sharded_model, load_sharded_model and save_full_model. DDP and save0 are no longer needed.
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model
+
+
+# DONE 18: Shard the model with FSDP2. fully_shard each Transformer block first, then the root
+# (the embeddings, final norm and output layer). Each call makes one FSDP unit: its parameters
+# become DTensors split over the ranks, gathered just before the unit's forward and backward and
+# freed afterwards, and its gradients are reduce-scattered so each rank keeps only its shard.
+# Sharding every block (not only the root) is what lets a rank hold one block's full weights at
+# a time, and lets the gather of the next block overlap the compute of this one.
+def apply_fsdp(model, mixed_precision="none", reshard_after_forward=True):
+    policy = {}
+    if mixed_precision == "bf16":
+        # Compute in bf16; the optimizer keeps fp32 weights; gradients are summed in fp32.
+        policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward,
+                    mp_policy=MixedPrecisionPolicy(**policy))
+    # The root's output is the logits: fp32, so the loss over the vocabulary is exact. (The
+    # root keeps its weights gathered after forward by default: backward needs them at once.)
+    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))
+    return model
+
+
+def parse_args():
+    parser = base_parser(__file__, __doc__)
+    # DONE 18: The options of apply_fsdp.
+    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
+                        help="bf16: compute in bfloat16, keep fp32 master weights and reduce "
+                             "gradients in fp32")
+    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
+                        help="true: free each block's gathered weights after its forward and "
+                             "gather again for backward (ZeRO-3, least memory); false: keep them "
+                             "until backward (ZeRO-2-like, one all-gather less per block)")
+    # DONE 20: How often to save checkpoints.
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="STEPS",
+                        help="also save checkpoints/last every STEPS steps (0: only at the end of "
+                             "each epoch and at --max-steps)")
+    # DONE 21: Resuming. --resume takes a checkpoint folder that this script wrote.
+    parser.add_argument("--resume", metavar="DIR",
+                        help="continue from this checkpoint folder (e.g. OUT_DIR/checkpoints/last)")
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+
+    # Under torchrun, join the process group and pick this rank's GPU (or the CPU with gloo).
+    # Every rank is seeded alike, so every rank builds the same initial weights.
+    local_rank, rank, device, world_size = setup(args.seed, args.device)
+
+    # ---- data ----
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
+                                 for tokens in (corpus.train, corpus.valid, corpus.test))
+    # Every rank gets its own shard of the data, in the same shuffled order on every rank;
+    # evaluation pads with samples that count nowhere, so all ranks run the same number of
+    # batches (under FSDP every forward is a collective: a rank with one batch more would hang).
+    train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
+    test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                       pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
+    test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
+    global_batch = args.batch_size * world_size
+
+    # ---- model and optimizer ----
+    model = TransformerLM(cfg).to(device)
+    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
+                                    cfg.d_model, cfg.max_seq_len)
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
+    # DONE 19: Replace DDP by apply_fsdp. The optimizer is made afterwards on purpose: it must
+    # hold the sharded parameters, so each rank keeps optimizer state for its shard only.
+    model = apply_fsdp(model, args.mixed_precision, args.reshard_after_forward == "true")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+
+    # ---- training ----
+    throughput = Throughput(device)
+    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
+    start_epoch, start_batch = 0, 0
+    # DONE 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
+    # into one folder. Keep what resuming needs next to the weights: counters, the position in
+    # the data, and the model configuration (so a checkpoint of another model is refused).
+    def save_checkpoint(name, epoch, batches_in_epoch):
+        save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, dict(
+            step=step, epoch=epoch, samples_in_epoch=batches_in_epoch * global_batch,
+            global_batch=global_batch, best_val=best_val, model_config=cfg.to_dict(),
+            loss_history=[loss.item() for loss in loss_history], world_size=world_size))
+
+    # DONE 21: Resume: load model and optimizer shards (the checkpoint may come from another world
+    # size: DCP reshards at load time), then the counters and the position in the data, so the
+    # run continues exactly where the checkpoint was taken. The position is stored in samples,
+    # so it carries over to any world size with the same global batch.
+    if args.resume:
+        state = load_sharded_model(model, optimizer, args.resume, cfg.to_dict())
+        step, best_val, start_epoch = state["step"], state["best_val"], state["epoch"]
+        loss_history = [torch.tensor(loss) for loss in state["loss_history"]]
+        if state["samples_in_epoch"] % global_batch:
+            raise SystemExit(f"--resume: the checkpoint stopped {state['samples_in_epoch']} "
+                             f"samples into an epoch, not a multiple of this run's global batch "
+                             f"{global_batch}: use --batch-size x ranks = {state['global_batch']}")
+        start_batch = state["samples_in_epoch"] // global_batch
+        if start_batch >= len(train_loader):  # saved at the end of an epoch
+            start_epoch, start_batch = start_epoch + 1, 0
+        if args.max_steps is not None and step > args.max_steps:
+            raise SystemExit(f"--resume: the checkpoint is at step {step}, past --max-steps "
+                             f"{args.max_steps}: raise --max-steps (or set it to {step} to only "
+                             "evaluate and export)")
+        print0(f"resumed from {args.resume} at step {step}, epoch {start_epoch}, "
+               f"batch {start_batch}")
+
+    for epoch in range(start_epoch, args.epochs):
+        # Tell the sampler the epoch, or every epoch repeats the first epoch's order.
+        train_sampler.set_epoch(epoch)
+        # A resumed run skips the batches its checkpoint had already trained on in this epoch
+        # (cheap here: a batch is a slice of a tensor in memory).
+        batches_done = start_batch if epoch == start_epoch else 0
+        for x, y in itertools.islice(train_loader, batches_done, None):
+            if step == args.max_steps:
+                break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            batches_done += 1
+            throughput.step(x.numel() * world_size)
+            # Each rank's loss covers only its own batch: log the mean over all ranks.
+            step_loss = all_reduce_mean(loss.detach())
+            loss_history.append(step_loss)
+            if step % args.log_every == 0:
+                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
+                logger.log({"train/loss": step_loss.item()}, step)
+            # DONE 20: With --checkpoint-every, also save "last" during the epoch (a job that
+            # hits its time limit loses at most that many steps).
+            if args.checkpoint_every and step % args.checkpoint_every == 0:
+                save_checkpoint("last", epoch, batches_done)
+
+        throughput.pause()  # evaluation time is not training time
+        val_loss = evaluate(model, val_loader, device)
+        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        if val_loss < best_val:
+            best_val = val_loss
+            # DONE 20: Save the best checkpoint with save_sharded_model instead of save0 (save0
+            # refuses sharded weights: no rank holds them all).
+            save_checkpoint("best", epoch, batches_done)
+        # DONE 20: Save the last checkpoint at the end of every epoch, and before stopping at
+        # --max-steps.
+        save_checkpoint("last", epoch, batches_done)
+        if step == args.max_steps:
+            break
+
+    # ---- evaluation, saving, summary ----
+    test_loss = evaluate(model, test_loader, device)
+    # Memory per rank: all of the model, gradients and optimizer state under DDP, a shard of
+    # them under FSDP. The peak also holds activations (and on the CPU the whole process).
+    state_bytes = gather_per_rank(model_state_bytes(model, optimizer), device)
+    peak_bytes = gather_per_rank(peak_memory_bytes(device), device)
+    summary = training_summary(
+        args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
+        val_loss=val_loss, test_loss=test_loss, throughput=throughput,
+        flops_per_token=flops_per_tok, device=device, start_time=start_time,
+        model_state_bytes_per_rank=state_bytes, peak_mem_bytes_per_rank=peak_bytes)
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+    print0("memory per rank (MiB): weights+gradients+optimizer "
+           f"{' '.join(f'{b / 2**20:.1f}' for b in state_bytes)}; "
+           f"peak {' '.join(f'{b / 2**20:.0f}' for b in peak_bytes)}")
+    # DONE 22: Export the trained weights as one ordinary file with save_full_model: it gathers
+    # the full weights on rank 0 (into CPU memory), and the file loads into a plain TransformerLM.
+    save_full_model(model, out_dir / "final_model.pt")
+    write_summary(out_dir, summary)
+    logger.close()
+    # Delete the model first, so its communication buffers are freed while the group still exists.
+    del model, optimizer
+    destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Token-weighted mean loss over a whole split."""
+    model.eval()
+    # float64 sums: adding many partial sums in another order changes nothing visible
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
+                                    ignore_index=IGNORE_INDEX)
+        tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
+    # Each rank saw only its share of the split: sum loss and token counts before dividing.
+    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
+    # DONE 19: FSDP frees the root unit's gathered weights only after backward, and evaluation
+    # has none: reshard, or the full embeddings and output layer stay on every rank.
+    model.reshard()
+    model.train()
+    return (loss_sum / tokens).item()
+
+
+if __name__ == "__main__":
+    main()
