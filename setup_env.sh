@@ -10,6 +10,7 @@
 #       cuda:   the CUDA build of torch 2.13.0 from PyPI (several GB; GPU clusters).
 #       module: keep the torch you loaded before (e.g. `module load PyTorch` on a JSC system);
 #               the environment then sees the system's packages.
+#   TORCH_INDEX_URL where the cpu variant gets torch (default: PyTorch's CPU wheel index).
 #   VENV=path       where the environment goes (default: .venv in the repository).
 #   PYTHON=python3  the interpreter that creates it.
 #   SKIP_DATA=1     do not try to download WikiText-2.
@@ -44,11 +45,13 @@ case "$variant" in
         ;;
     cpu)
         if [[ "$installed_torch" != "$TORCH_VERSION"* ]]; then
-            # PyPI's Linux wheel is the CUDA build; PyTorch's own CPU index has the small one.
-            if "$VENV/bin/python" -c 'import socket; socket.create_connection(("download.pytorch.org", 443), 3)' 2>/dev/null; then
-                pip install "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
-            else
+            # PyPI's Linux wheel is the CUDA build (several GB); PyTorch's own CPU index has the
+            # small one. A CPU wheel that pip already finds locally (find-links, a wheelhouse,
+            # as on CI machines) is used without asking any index.
+            if pip install --dry-run --quiet --no-index --no-deps "torch==$TORCH_VERSION" >/dev/null 2>&1; then
                 pip install "torch==$TORCH_VERSION"
+            else
+                pip install "torch==$TORCH_VERSION" --index-url "${TORCH_INDEX_URL:-https://download.pytorch.org/whl/cpu}"
             fi
         fi
         ;;
