@@ -78,3 +78,12 @@ def test_on_real_wikitext2_a_short_run_beats_the_unigram_model_clearly(tmp_path,
     summary = read_summary(out)
     unigram = unigram_cross_entropy(corpus)
     assert summary["val_loss"] < unigram - 0.25, (summary["val_loss"], unigram)
+
+
+def test_wandb_logs_offline_under_the_output_folder(tmp_path, data_cache):
+    out = tmp_path / "run"
+    run_script(EXERCISE, "--dataset", "synthetic", "--preset", "tiny", "--max-steps", 3,
+               "--logger", "wandb", "--out-dir", out,
+               env=script_env(cache_dir=data_cache, WANDB_SILENT="true"))
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

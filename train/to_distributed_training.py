@@ -76,6 +76,7 @@ def main():
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
         # TODO 6: Tell the sampler the epoch, or every epoch repeats the first epoch's order.
+        first_step = step
         for x, y in train_loader:
             if step == args.max_steps:
                 break
@@ -97,9 +98,13 @@ def main():
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
+        train_loss = torch.stack(loss_history[first_step:]).mean().item() if step > first_step \
+            else math.nan
         # TODO 9: print0
-        print(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
-        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        print(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
+              f"perplexity {perplexity(val_loss):.1f}")
+        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
+                    "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
             # TODO 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
@@ -117,7 +122,8 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time)
     # TODO 9: print0
     print(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-          f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+          f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}, "
+          f"peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
     # TODO 10: save0
     torch.save(model.state_dict(), out_dir / "final_model.pt")
     write_summary(out_dir, summary)

@@ -119,6 +119,7 @@ def main():
         #| solution
         train_sampler.set_epoch(epoch)
         #| end
+        first_step = step
         for x, y in train_loader:
             if step == args.max_steps:
                 break
@@ -148,13 +149,18 @@ def main():
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
+        train_loss = torch.stack(loss_history[first_step:]).mean().item() if step > first_step \
+            else math.nan
         # TODO 9: print0
         #| exercise
-        print(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        print(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
+              f"perplexity {perplexity(val_loss):.1f}")
         #| solution
-        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
+        print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
+               f"perplexity {perplexity(val_loss):.1f}")
         #| end
-        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
+                    "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
             # TODO 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
@@ -177,10 +183,12 @@ def main():
     # TODO 9: print0
     #| exercise
     print(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-          f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+          f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}, "
+          f"peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
     #| solution
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}, "
+           f"peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
     #| end
     # TODO 10: save0
     #| exercise

@@ -85,6 +85,7 @@ def main():
     for epoch in range(args.epochs):
         # DONE 6: Tell the sampler the epoch, or every epoch repeats the first epoch's order.
         train_sampler.set_epoch(epoch)
+        first_step = step
         for x, y in train_loader:
             if step == args.max_steps:
                 break
@@ -106,9 +107,13 @@ def main():
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
+        train_loss = torch.stack(loss_history[first_step:]).mean().item() if step > first_step \
+            else math.nan
         # DONE 9: print0
-        print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
-        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
+               f"perplexity {perplexity(val_loss):.1f}")
+        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
+                    "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
             # DONE 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
@@ -125,7 +130,8 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time)
     # DONE 9: print0
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}, "
+           f"peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
     # DONE 10: save0
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
