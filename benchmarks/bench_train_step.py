@@ -1,8 +1,7 @@
 """Tokens/s and MFU of the training step, the matmul peak MFU divides by, and whether the data
 loader keeps up. Prints numbers; asserts nothing (timings belong in benchmarks, not tests).
 
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 \
-        python benchmarks/bench_train_step.py [--presets tiny workshop] [--data-dir DIR]
+    python benchmarks/bench_train_step.py [--presets tiny workshop] [--data-dir DIR]
 
 Each measurement is the median of several timed steps after warm-up steps. Run it on an idle
 machine: step times on shared CPUs vary by 20-30 %.

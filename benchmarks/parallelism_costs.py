@@ -63,8 +63,7 @@ def launch(script, extra, args, steps, out_dir) -> tuple[list[int], dict]:
            f"--nproc_per_node={args.nproc}", __file__, "--as-rank", script, out_dir,
            "--dataset", args.dataset, "--preset", args.preset, "--batch-size", args.batch_size,
            "--max-steps", steps, "--dropout", 0, "--logger", "none", "--out-dir", out_dir, *extra]
-    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", MALLOC_MMAP_MAX_="0",
-               MALLOC_TRIM_THRESHOLD_="100000000000", HF_HUB_OFFLINE="1")
+    env = dict(__import__("os").environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     subprocess.run([str(c) for c in cmd], cwd=ROOT, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     sent = [int(Path(out_dir, f"sent_bytes.{r}").read_text()) for r in range(args.nproc)]
