@@ -205,6 +205,8 @@ def main():
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)
         for x, y in train_loader:
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             timer.start_step()
@@ -225,8 +227,6 @@ def main():
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 logger.log({"train/loss": step_loss.item()}, step)
-            if step == args.max_steps:
-                break
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule, dp_group,
                             pp_group, last_stage)

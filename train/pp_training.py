@@ -101,6 +101,8 @@ def main():
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
         for x, y in train_loader:
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             # TODO 40: The schedule runs forward, loss and backward for all microbatches: the
             # first stage passes the tokens, the last the targets and a list for the
@@ -121,8 +123,6 @@ def main():
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 logger.log({"train/loss": step_loss.item()}, step)
-            if step == args.max_steps:
-                break
 
         throughput.pause()  # evaluation time is not training time
         # TODO 43: evaluate through the pipeline

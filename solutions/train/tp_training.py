@@ -179,6 +179,8 @@ def main():
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
         for x, y in train_loader:
+            if step == args.max_steps:
+                break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             logits = model(x)
             # DONE 30: The logits are split over the vocabulary: compute the loss and run the
@@ -201,8 +203,6 @@ def main():
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
                 logger.log({"train/loss": step_loss.item()}, step)
-            if step == args.max_steps:
-                break
 
         throughput.pause()  # evaluation time is not training time
         # DONE 33: evaluate on the data-parallel group
