@@ -38,8 +38,8 @@ from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
 # TODO 23: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
-# (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel), and
-# FSDP2's fully_shard in place of DDP (TODO 29 says why).
+# (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel),
+# FSDP2's fully_shard in place of DDP (TODO 29 says why), and save_full_model (TODO 32).
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 
@@ -48,14 +48,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # units from the whole input), row-wise for the attention's out_proj and the MLP's out_proj
 # (each rank multiplies its slice; an all-reduce adds the partial results). Decide what to do
 # with the token embedding and the output layer: they hold most of the small models' weights.
-
-
-def gather_full_state_dict(model) -> dict:
-    """The whole model's weights as plain tensors on every rank (call it on all ranks: each
-    DTensor, sharded by TP and/or FSDP, is gathered with collectives). The file save0 writes
-    from it loads into the plain model, with no mesh and no TP."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v
-            for k, v in model.state_dict().items()}
 
 
 def check_tp_degree(tp: int, world_size: int, cfg) -> None:
@@ -164,8 +156,9 @@ def main():
         if val_loss < best_val:
             best_val = val_loss
             # Save on rank 0 only, the plain model's weights, so the file loads without DDP.
-            # TODO 32: The weights are DTensors, each rank holding a shard: gather them on
-            # every rank first (gather_full_state_dict), then save0 writes the whole model.
+            # TODO 32: The weights are DTensors, each rank holding a shard, and save0 refuses
+            # them: save_full_model (from the FSDP step; call it on every rank) gathers them
+            # into rank 0's CPU memory and writes the plain model's state dict.
             save0(model, out_dir / "best_model.pt")
         if step == args.max_steps:
             break
@@ -179,7 +172,7 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # TODO 32: gather, then save0
+    # TODO 32: save_full_model
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
     logger.close()

@@ -18,7 +18,6 @@ import hashlib
 import os
 import socket
 import sys
-import tempfile
 import threading
 from collections import Counter
 from dataclasses import dataclass
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, Sampler
+
+from utils.distributed_utils import atomic_torch_save
 
 UNK, EOS = "<unk>", "<eos>"
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
@@ -181,25 +182,10 @@ def _load_cached(path: Path) -> Corpus | None:
 
 
 def _save_cached(corpus: Corpus, path: Path) -> None:
-    """Write to a temporary file and rename it: readers never see a half-written cache, and
-    several ranks building it at once each replace the file with identical content."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save({"vocab": corpus.vocab, "train": corpus.train, "valid": corpus.valid,
-                        "test": corpus.test, "source": corpus.source}, f)
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes it private; others in the project read it too
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    """Written atomically: readers never see a half-written cache, and several ranks building it
+    at once each replace the file with identical content."""
+    atomic_torch_save({"vocab": corpus.vocab, "train": corpus.train, "valid": corpus.valid,
+                       "test": corpus.test, "source": corpus.source}, path)
 
 
 def _cached(cache_dir: Path, name: str, key: str, build) -> Corpus:

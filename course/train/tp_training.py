@@ -38,8 +38,8 @@ from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
 # TODO 23: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
-# (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel), and
-# FSDP2's fully_shard in place of DDP (TODO 29 says why).
+# (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel),
+# FSDP2's fully_shard in place of DDP (TODO 29 says why), and save_full_model (TODO 32).
 #| exercise
 from torch.nn.parallel import DistributedDataParallel as DDP
 #| solution
@@ -50,6 +50,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
+from utils.distributed_utils import save_full_model
 #| end
 
 
@@ -88,14 +89,6 @@ def apply_tp(model: TransformerLM, tp_mesh) -> TransformerLM:
     # computes the same result, and the gradients DTensor hands back to them are already whole.
     return model
 #| end
-
-
-def gather_full_state_dict(model) -> dict:
-    """The whole model's weights as plain tensors on every rank (call it on all ranks: each
-    DTensor, sharded by TP and/or FSDP, is gathered with collectives). The file save0 writes
-    from it loads into the plain model, with no mesh and no TP."""
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v
-            for k, v in model.state_dict().items()}
 
 
 def check_tp_degree(tp: int, world_size: int, cfg) -> None:
@@ -254,12 +247,13 @@ def main():
         if val_loss < best_val:
             best_val = val_loss
             # Save on rank 0 only, the plain model's weights, so the file loads without DDP.
-            # TODO 32: The weights are DTensors, each rank holding a shard: gather them on
-            # every rank first (gather_full_state_dict), then save0 writes the whole model.
+            # TODO 32: The weights are DTensors, each rank holding a shard, and save0 refuses
+            # them: save_full_model (from the FSDP step; call it on every rank) gathers them
+            # into rank 0's CPU memory and writes the plain model's state dict.
             #| exercise
             save0(model, out_dir / "best_model.pt")
             #| solution
-            save0(gather_full_state_dict(model), out_dir / "best_model.pt")
+            save_full_model(model, out_dir / "best_model.pt")
             #| end
         if step == args.max_steps:
             break
@@ -283,11 +277,11 @@ def main():
     #| end
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # TODO 32: gather, then save0
+    # TODO 32: save_full_model
     #| exercise
     save0(model, out_dir / "final_model.pt")
     #| solution
-    save0(gather_full_state_dict(model), out_dir / "final_model.pt")
+    save_full_model(model, out_dir / "final_model.pt")
     #| end
     write_summary(out_dir, summary)
     logger.close()
