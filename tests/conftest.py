@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -13,16 +14,61 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT2_SMALL = ROOT.parent / "shared" / "data" / "wikitext-2-small"
 
+# The CPU suite runs on the CPU, also on a GPU node: this process, every script it starts and
+# every spawned worker see no GPU (else a two-rank test puts rank 1 on cuda:1, and in-process
+# tests pick CUDA where they expect the CPU). Set before anything initialises CUDA; the
+# original value is kept (for the children too) so that the GPU suite, tests/test_gpu.py, can
+# hand the GPUs back to its own scripts with gpu_env().
+HOST_CUDA_KEY = "COURSE_TESTS_HOST_CUDA_VISIBLE_DEVICES"
+os.environ.setdefault(HOST_CUDA_KEY, os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 
 def script_env(cache_dir: Path | str | None = None, **extra) -> dict:
-    """The environment for a script under test: offline, one thread per process, no Slurm."""
+    """The environment for a script under test: offline, one thread per process, no Slurm,
+    no GPU (see gpu_env for the GPU suite)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_"))}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1",
-               PYTHONUNBUFFERED="1", WANDB_MODE="offline")
+               PYTHONUNBUFFERED="1", WANDB_MODE="offline", CUDA_VISIBLE_DEVICES="")
     if cache_dir is not None:
         env["COURSE_DATA_CACHE"] = str(cache_dir)
     env.update({k: str(v) for k, v in extra.items()})
     return env
+
+
+def restore_host_gpus(env: dict) -> dict:
+    """`env` with the GPUs this machine had before the test session hid them."""
+    host = env.get(HOST_CUDA_KEY, os.environ[HOST_CUDA_KEY])
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    if host != "<unset>":
+        env["CUDA_VISIBLE_DEVICES"] = host
+    return env
+
+
+def gpu_env(cache_dir: Path | str | None = None, **extra) -> dict:
+    """script_env for the GPU suite: the machine's GPUs visible again."""
+    return restore_host_gpus(script_env(cache_dir, **extra))
+
+
+@functools.cache
+def host_gpu_count() -> int:
+    """CUDA GPUs torch can use on this machine (asked in a fresh process: this one hides them)."""
+    import torch
+    if torch.version.cuda is None:
+        return 0
+    proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                          env=gpu_env(), capture_output=True, text=True, timeout=120)
+    return int(proc.stdout.split()[-1]) if proc.returncode == 0 and proc.stdout.strip() else 0
+
+
+def no_gpu_reason() -> str | None:
+    """Why the GPU suite cannot run here (one line), or None where it can."""
+    import torch
+    if torch.version.cuda is None:
+        return f"no CUDA: torch {torch.__version__} is a CPU-only build"
+    if host_gpu_count() == 0:
+        return f"no CUDA GPU visible (torch {torch.__version__}, CUDA {torch.version.cuda})"
+    return None
 
 
 def run_script(script: str, *args, nproc: int = 1, env: dict | None = None, timeout: float = 300,

@@ -1,4 +1,5 @@
-"""Run a function in several fresh processes joined by a gloo process group (for tests)."""
+"""Run a function in several fresh processes joined by a process group (for tests): gloo on
+the CPU, or NCCL with one GPU per process for the GPU suite."""
 
 from __future__ import annotations
 
@@ -17,14 +18,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, queue, args):
+def _worker(fn, rank, world_size, port, queue, args, device_type, visible_gpus):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
+    # Before CUDA is initialised: the CPU suite's workers see no GPU, even on a GPU node.
+    if visible_gpus is None:  # the GPU suite on a host that did not restrict its GPUs
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus
     try:
         import torch
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if device_type == "cuda":
+            device = torch.device("cuda", rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
+        else:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -35,16 +46,22 @@ def _worker(fn, rank, world_size, port, queue, args):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 180):
+def run_distributed(fn, world_size: int, *args, timeout: float = 180, device: str = "cpu"):
     """fn(rank, world_size, *args) on `world_size` spawned processes; returns results by rank.
 
+    device="cpu": gloo, no GPU visible. device="cuda" (GPU suite): NCCL, rank r on cuda:r.
     `fn` must be importable (defined at module level). Results travel back pickled, so return
     CPU tensors or plain values.
     """
+    visible = ""
+    if device == "cuda":
+        from conftest import restore_host_gpus
+        visible = restore_host_gpus(dict(os.environ)).get("CUDA_VISIBLE_DEVICES")
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args))
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, device,
+                                               visible))
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -137,11 +137,23 @@ def save0(model_or_state_dict, path: str | os.PathLike) -> None:
         atomic_torch_save(state, path)
 
 
+def collective_device(group=None) -> torch.device:
+    """The device whose tensors a collective of `group` (default: all ranks) takes: the GPU of
+    this process under NCCL, which has no CPU backend; the CPU under gloo or without a group."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def all_reduce_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum of `tensor` over all ranks, or over the ranks of `group` (a copy; the input is left
     alone). Tensor and pipeline parallelism pass their data-parallel group: the ranks that
-    share one batch must not be counted twice."""
-    tensor = tensor.detach().clone()
+    share one batch must not be counted twice.
+
+    The copy lives on the collective's device (see collective_device): a count or a timing
+    built on the CPU can be summed on a GPU run too, where NCCL would refuse it ("No backend
+    type associated with device type cpu")."""
+    tensor = tensor.detach().to(collective_device(group), copy=True)
     if dist.is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
     return tensor

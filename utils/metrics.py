@@ -181,7 +181,7 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
     loss_history holds the global mean training loss of every optimizer step; the global batch
     is --batch-size times the data-parallel size (the world size unless TP/PP). tokens_per_s
     counts all ranks; MFU divides by the peak of all devices (see flops_per_token); memory is
-    this rank's peak.
+    this rank's peak. `device` is the one this rank trained on: the peak and the memory are its.
     """
     tokens_per_s = throughput.tokens_per_s()
     peak, peak_source = peak_flops(device)
@@ -189,12 +189,14 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
         world_size=world_size, steps=steps,
         global_batch_size=args.batch_size * (data_parallel_size or world_size),
         seq_len=cfg.max_seq_len,
-        loss_history=torch.stack(loss_history).tolist() if loss_history else [],
+        # float() per entry, not torch.stack: a resumed run's restored losses and the new ones
+        # need not share a device (or be tensors at all)
+        loss_history=[float(loss) for loss in loss_history],
         val_loss=val_loss, val_ppl=perplexity(val_loss),
         test_loss=test_loss, test_ppl=perplexity(test_loss),
         tokens_per_s=tokens_per_s, flops_per_token=flops_per_token,
         mfu=tokens_per_s * flops_per_token / (peak * world_size),
-        peak_flops_per_device=peak, peak_flops_source=peak_source,
+        device=str(device), peak_flops_per_device=peak, peak_flops_source=peak_source,
         peak_mem_bytes=peak_memory_bytes(device), wall_time_s=time.time() - start_time,
         data=corpus.source, preset=args.preset, model_config=cfg.to_dict(), args=vars(args),
         **extra)

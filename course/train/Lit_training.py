@@ -155,7 +155,7 @@ class CourseLog(Callback):
         return {"loss_history": [float(v) for v in self.loss_history]}
 
     def load_state_dict(self, state_dict):
-        self.loss_history = [torch.tensor(v) for v in state_dict["loss_history"]]
+        self.loss_history = [float(v) for v in state_dict["loss_history"]]
 
 
 def main():
@@ -214,7 +214,9 @@ def main():
     summary = training_summary(
         args, cfg, corpus, world_size=trainer.world_size, steps=trainer.global_step,
         loss_history=loss_history, val_loss=val_loss, test_loss=test_loss,
-        throughput=course_log.throughput, flops_per_token=flops_per_tok, device=lit_model.device,
+        throughput=course_log.throughput, flops_per_token=flops_per_tok,
+        # the device it trained on: after test() Lightning has moved lit_model back to the CPU
+        device=trainer.strategy.root_device,
         start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,
         devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "

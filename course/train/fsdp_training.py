@@ -168,7 +168,7 @@ def main():
     if args.resume:
         state = load_sharded_model(model, optimizer, args.resume, cfg.to_dict())
         step, best_val, start_epoch = state["step"], state["best_val"], state["epoch"]
-        loss_history = [torch.tensor(loss) for loss in state["loss_history"]]
+        loss_history = [torch.tensor(loss, device=device) for loss in state["loss_history"]]
         if state["samples_in_epoch"] % global_batch:
             raise SystemExit(f"--resume: the checkpoint stopped {state['samples_in_epoch']} "
                              f"samples into an epoch, not a multiple of this run's global batch "

@@ -193,7 +193,7 @@ def main():
     timer = StageBusyTimer(stage, device)
     mine = sum(p.to_local().numel() for p in model.parameters())
     params_per_rank = all_reduce_sum(torch.tensor(
-        [mine if r == rank else 0 for r in range(world_size)])).tolist()
+        [mine if r == rank else 0 for r in range(world_size)], device=device)).tolist()
     print0(f"mesh pp {args.pp} x dp {args.dp} x tp {args.tp}; schedule {args.schedule}, "
            f"{args.microbatches} microbatches; parameters per rank {params_per_rank}")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
@@ -238,8 +238,9 @@ def main():
     # ---- evaluation, saving, summary ----
     test_loss = evaluate(model, test_loader, device, stage, eval_schedule, dp_group, pp_group,
                          last_stage)
-    idle = torch.tensor(idle_history[1:] or idle_history).median().item()
-    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)]))
+    idle = torch.tensor(idle_history[1:] or idle_history, device=device).median().item()
+    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
+                                       device=device))
     bubble = pipeline_bubble_fraction(args.pp, args.microbatches)
     print0(f"idle share of a step per rank (measured): {' '.join(f'{f:.0%}' for f in idle.tolist())}; "
            f"bubble of {args.schedule} for {args.pp} stages and {args.microbatches} microbatches "

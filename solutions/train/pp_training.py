@@ -171,7 +171,7 @@ def main():
     eval_schedule = build_schedule("gpipe", stage, args.microbatches, lm_loss_sum)
     timer = StageBusyTimer(stage, device)
     local_params = all_reduce_sum(torch.tensor([model.num_params() if r == rank else 0
-                                                for r in range(world_size)])).tolist()
+                                                for r in range(world_size)], device=device)).tolist()
     print0(f"{num_stages} stages, layers {[list(r) for r in stage_layers(cfg.n_layers, num_stages, args.layers_per_stage)]}, "
            f"parameters per stage {local_params}; schedule {args.schedule}, "
            f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}")
@@ -230,8 +230,9 @@ def main():
     test_loss = evaluate(model, test_loader, device, stage, eval_schedule)
     # The median idle share of this stage's steps (the first one also sets the pipeline up),
     # gathered from every stage.
-    idle = torch.tensor(idle_history[1:] or idle_history).median().item()
-    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)]))
+    idle = torch.tensor(idle_history[1:] or idle_history, device=device).median().item()
+    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
+                                       device=device))
     bubble = pipeline_bubble_fraction(num_stages, args.microbatches)
     print0(f"idle share of a step per stage (measured): "
            f"{' '.join(f'{f:.0%}' for f in idle.tolist())}; "
