@@ -72,12 +72,14 @@ def no_gpu_reason() -> str | None:
 
 
 def run_script(script: str, *args, nproc: int = 1, env: dict | None = None, timeout: float = 300,
-               check: bool = True, torchrun_args=()) -> subprocess.CompletedProcess:
-    """Run a course script from the repository root: plain python for nproc=1, else torchrun.
+               check: bool = True, torchrun_args=(), torchrun: bool | None = None
+               ) -> subprocess.CompletedProcess:
+    """Run a course script from the repository root: plain python for nproc=1, else torchrun
+    (torchrun=True: torchrun also for one process).
 
     With check, a failing run raises with the tail of its output in the message.
     """
-    if nproc == 1:
+    if not (torchrun or (torchrun is None and nproc > 1)):
         cmd = [sys.executable, script]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
