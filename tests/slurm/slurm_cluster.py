@@ -187,6 +187,11 @@ class Cluster:
         reservation or account set for the real cluster does not leak in."""
         drop = ("SLURM_", "SBATCH_") if self.local else ("SLURM_",)
         env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+        # tests/conftest.py hides the GPUs from the test process: a job gets the submitter's.
+        host_gpus = env.pop("COURSE_TESTS_HOST_CUDA_VISIBLE_DEVICES", "<unset>")
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if host_gpus != "<unset>":
+            env["CUDA_VISIBLE_DEVICES"] = host_gpus
         if "VENV" not in env and sys.prefix != sys.base_prefix:
             env["VENV"] = sys.prefix  # the jobs use the Python that runs the tests
         env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
