@@ -262,7 +262,7 @@ def fsdp_units() -> list[str]:
 def fsdp() -> Svg:
     units = fsdp_units()
     world = 4
-    s = Svg(1200, 600, "FSDP: units, shards, gather before use, reduce-scatter of gradients")
+    s = Svg(1200, 520, "FSDP: units, shards, gather before use, reduce-scatter of gradients")
     s.text(20, 35, f"apply_fsdp: {len(units)} fully_shard calls, one FSDP unit each "
            f"(workshop preset: {', '.join(units[:2])}, ..., {units[-2]}, then {units[-1]})",
            18, anchor="start")
@@ -306,11 +306,7 @@ def fsdp() -> Svg:
         if j < len(steps) - 1:
             s.arrow(x + 180, y + 85, x + 196, y + 85)
     s.text(600, 500, "while block i computes, block i+1 is gathered: communication hides "
-           "behind compute", 18)
-    s.text(600, 535, "reshard_after_forward=False keeps the gathered weights from forward to "
-           "backward (one all-gather less, more memory)", 17, fill=GREY)
-    s.text(600, 570, "the root unit (embeddings, final norm, output) is gathered first and "
-           "stays gathered until backward", 17, fill=GREY)
+           "behind compute", 20)
     return s
 
 
@@ -414,7 +410,7 @@ def mesh() -> Svg:
 def pp_stages() -> Svg:
     pp = load_solution("pp_training")
     stages = 4
-    s = Svg(1200, 300, "pipeline stages made by split_pipeline_stage")
+    s = Svg(1200, 200, "pipeline stages made by split_pipeline_stage")
     for i in range(stages):
         model = pp.split_pipeline_stage(workshop_model(), i, stages)
         parts = []
@@ -423,18 +419,14 @@ def pp_stages() -> Svg:
         parts.append("blocks " + ", ".join(model.layers))
         if model.output is not None:
             parts.append("norm, output")
-        x = 20 + i * 295
-        s.rect(x, 30, 270, 150, fill=PALE[i], stroke=RANK_COLOURS[i], width=2.5)
-        s.text(x + 135, 62, f"stage {i} = rank {i}", 19, weight="bold", fill=RANK_COLOURS[i])
+        x = 10 + i * 300
+        s.rect(x, 10, 260, 180, fill=PALE[i], stroke=RANK_COLOURS[i], width=2.5)
+        s.text(x + 130, 50, f"stage {i} = rank {i}", 23, weight="bold", fill=RANK_COLOURS[i])
         for j, p in enumerate(parts):
-            s.text(x + 135, 98 + j * 28, p, 16, mono=True)
+            s.text(x + 130, 95 + j * 36, p, 20, mono=True)
         if i < stages - 1:
-            s.arrow(x + 270, 90, x + 295, 90)
-            s.arrow(x + 295, 130, x + 270, 130, stroke=GREY)
-    s.text(600, 225, "activations go forward (black), their gradients come back (grey): "
-           "one tensor per microbatch and boundary", 17)
-    s.text(600, 260, "split_pipeline_stage(model, stage_index, num_stages): the workshop "
-           "preset's 8 blocks on 4 stages", 17, fill=GREY, mono=False)
+            s.arrow(x + 262, 80, x + 298, 80, width=3)
+            s.arrow(x + 298, 130, x + 262, 130, stroke=GREY, width=3)
     return s
 
 
