@@ -282,7 +282,7 @@ def fsdp() -> Svg:
                 s.rect(x + k * w, y + 8, w - 2, 34, fill=PALE[k] if mine else "white",
                        stroke=RANK_COLOURS[k] if mine else LIGHT, rx=3, width=2 if mine else 1)
             if r == 0:
-                s.text(x + 80, y, unit.replace("layers.", "block "), 15, fill=GREY)
+                s.text(x + 80, y, unit.replace("layers.", "block "), 17, fill=GREY)
     s.text(600, 290, "each rank keeps 1/4 of every unit's weights, gradients and AdamW state "
            "(filled: its own shard)", 17, fill=GREY)
     # one unit's life during a step
@@ -291,7 +291,7 @@ def fsdp() -> Svg:
              ("all-gather", "again, for backward", "#fef3c7"),
              ("backward", "gradients of the full block", "white"),
              ("reduce-scatter", "each rank: the sum for its shard", "#fef3c7"),
-             ("optimizer.step()", "updates the shard only", "#f3f4f6")]
+             ("optimizer.step()", "on its shard only", "#f3f4f6")]
     y = 320
     s.text(20, y + 20, "one unit (block i) in a step, on every rank:", 18, anchor="start",
            weight="bold")
@@ -300,9 +300,9 @@ def fsdp() -> Svg:
         s.rect(x, y + 40, 180, 90, fill=fill)
         s.text(x + 90, y + 75, what, 18, weight="bold")
         s.text(x + 90, y + 103, detail.split(" ", 2)[0] + " " + detail.split(" ", 2)[1]
-               if len(detail) > 22 else detail, 14, fill=GREY)
+               if len(detail) > 22 else detail, 16, fill=GREY)
         if len(detail) > 22:
-            s.text(x + 90, y + 121, detail.split(" ", 2)[2], 14, fill=GREY)
+            s.text(x + 90, y + 123, detail.split(" ", 2)[2], 16, fill=GREY)
         if j < len(steps) - 1:
             s.arrow(x + 180, y + 85, x + 196, y + 85)
     s.text(600, 500, "while block i computes, block i+1 is gathered: communication hides "
@@ -527,49 +527,52 @@ def pp_schedule() -> Svg:
 def sampler() -> Svg:
     """Which sample each rank reads: the real samplers, called here."""
     n_train, n_eval, world = 10, 10, 4
-    s = Svg(1200, 470, "DistributedSampler and DistributedEvalSampler, 10 samples on 4 ranks")
+    s = Svg(1200, 520, "DistributedSampler and DistributedEvalSampler, 10 samples on 4 ranks")
     dataset = list(range(n_train))
-    s.text(20, 32, "training: DistributedSampler(ds, num_replicas=4, rank=r, shuffle=True, "
-           "seed=0, drop_last=True)", 17, anchor="start", mono=True)
+    s.text(10, 30, "DistributedSampler(..., shuffle=True, seed=0, drop_last=True)", 22,
+           anchor="start", mono=True, weight="bold")
+
+    def cells(x, y, idx, r, pad_from=None):
+        for j, i in enumerate(idx):
+            pad = pad_from is not None and i >= pad_from
+            s.rect(x + j * 72, y, 64, 52, fill="white" if pad else PALE[r],
+                   stroke=GREY if pad else RANK_COLOURS[r], rx=5, width=2.5,
+                   dash="6 4" if pad else None)
+            s.text(x + j * 72 + 32, y + 35, "pad" if pad else i, 19 if pad else 25,
+                   weight="bold", fill=GREY if pad else INK)
+
     for e, epoch in enumerate((0, 1)):
-        y0 = 50 + e * 120
-        s.text(20, y0 + 30, f"epoch {epoch}", 17, anchor="start", weight="bold")
-        s.text(20, y0 + 52, f"set_epoch({epoch})", 14, anchor="start", fill=GREY, mono=True)
+        y0 = 45 + e * 125
+        s.text(10, y0 + 52, f"set_epoch({epoch})", 20, anchor="start", mono=True)
         for r in range(world):
             sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True,
                                          seed=0, drop_last=True)
             sampler.set_epoch(epoch)
             idx = list(sampler)
-            x = 170 + r * 250
-            s.text(x + len(idx) * 30 - 3, y0 + 10, f"rank {r}", 15, fill=RANK_COLOURS[r])
-            for j, i in enumerate(idx):
-                s.rect(x + j * 60, y0 + 20, 54, 44, fill=PALE[r], stroke=RANK_COLOURS[r],
-                       rx=4, width=2)
-                s.text(x + j * 60 + 27, y0 + 49, i, 18, weight="bold")
-        used = sorted(i for r in range(world) for i in DistributedSampler(
-            dataset, num_replicas=world, rank=r, shuffle=True, seed=0, drop_last=True))
-        dropped = sorted(set(dataset) - set(used))
-        s.text(170, y0 + 90, f"disjoint shards, same length; dropped this epoch: {dropped}"
-               if epoch == 0 else "a new permutation every epoch (seed + epoch), the same on every rank", 15,
+            x = 215 + r * 250
+            s.text(x + len(idx) * 36 - 4, y0 + 20, f"rank {r}", 20, fill=RANK_COLOURS[r],
+                   weight="bold")
+            cells(x, y0 + 28, idx, r)
+        used = {i for r in range(world) for i in DistributedSampler(
+            dataset, num_replicas=world, rank=r, shuffle=True, seed=0, drop_last=True)}
+        dropped = ", ".join(str(i) for i in sorted(set(dataset) - used))
+        s.text(215, y0 + 108, f"disjoint, equal shards; left out this epoch: {dropped}"
+               if epoch == 0 else "a new order every epoch, the same on every rank", 20,
                anchor="start", fill=GREY)
-    y0 = 310
-    s.text(20, y0, "validation, test: DistributedEvalSampler(ds, num_replicas=4, rank=r)",
-           17, anchor="start", mono=True)
+    y0 = 330
+    s.text(10, y0, "DistributedEvalSampler(ds, num_replicas=4, rank=r)", 22, anchor="start",
+           mono=True, weight="bold")
     ds = list(range(n_eval))
     for r in range(world):
         idx = list(DistributedEvalSampler(ds, num_replicas=world, rank=r))
-        x = 170 + r * 250
-        s.text(x + len(idx) * 30 - 3, y0 + 30, f"rank {r}", 15, fill=RANK_COLOURS[r])
-        for j, i in enumerate(idx):
-            pad = i >= n_eval
-            s.rect(x + j * 60, y0 + 40, 54, 44, fill="white" if pad else PALE[r],
-                   stroke=GREY if pad else RANK_COLOURS[r], rx=4, width=2,
-                   dash="5 4" if pad else None)
-            s.text(x + j * 60 + 27, y0 + 69, "pad" if pad else i, 15 if pad else 18,
-                   weight="bold", fill=GREY if pad else INK)
-    s.text(20, y0 + 69, "in order", 17, anchor="start", weight="bold")
-    s.text(600, y0 + 125, "every sample once; padding samples have only ignored targets: they "
-           "count nowhere, and all ranks run the same number of batches", 16, fill=GREY)
+        x = 215 + r * 250
+        s.text(x + len(idx) * 36 - 4, y0 + 40, f"rank {r}", 20, fill=RANK_COLOURS[r],
+               weight="bold")
+        cells(x, y0 + 48, idx, r, pad_from=n_eval)
+    s.text(10, y0 + 82, "evaluation", 20, anchor="start")
+    s.text(600, y0 + 140, "every sample exactly once; a padding sample's targets are ignored: "
+           "it counts nowhere", 20, fill=GREY)
+    s.text(600, y0 + 172, "and every rank runs the same number of batches", 20, fill=GREY)
     return s
 
 
