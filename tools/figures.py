@@ -8,8 +8,9 @@ figure and the code never disagree:
 - the tensor-parallel split: the plan that `apply_tp` (solutions/train/tp_training.py) hands
   to `parallelize_module`, recorded the same way;
 - pipeline stages: `split_pipeline_stage` (solutions/train/pp_training.py) on the workshop model;
-- pipeline schedules: the per-rank action order of torch's ScheduleGPipe and Schedule1F1B,
-  timed with a forward of 1 unit and a backward of 2 units.
+- pipeline schedules: the order in which torch's ScheduleGPipe and Schedule1F1B run each rank's
+  forward and backward passes (their own step loop, on a stand-in stage), timed with a forward
+  of 1 unit and a backward of 2 units.
 
     python tools/figures.py           # write slides/figures/*.svg
     python tools/figures.py --check   # exit 1 if a committed figure differs from what it writes
@@ -228,8 +229,9 @@ def ddp() -> Svg:
     s = Svg(1200, 470, "DDP: replicas and the gradient all-reduce")
     for r in range(world):
         x = 30 + r * 292
-        s.rect(x, 20, 262, 60, fill=PALE[r], stroke=RANK_COLOURS[r], width=2)
-        s.text(x + 131, 57, f"batch shard {r} (DistributedSampler)", 16)
+        s.rect(x, 10, 262, 70, fill=PALE[r], stroke=RANK_COLOURS[r], width=2)
+        s.text(x + 131, 40, f"shard {r} of the batch", 18, weight="bold")
+        s.text(x + 131, 66, "from DistributedSampler", 15, fill=GREY)
         s.arrow(x + 131, 80, x + 131, 110)
         s.rect(x, 112, 262, 150, fill="white", stroke=RANK_COLOURS[r], width=2.5)
         s.text(x + 131, 142, f"rank {r}: the whole model", 18, weight="bold",
@@ -385,22 +387,23 @@ def mesh() -> Svg:
     s = Svg(1200, 330, "the 2-D mesh (dp, tp)")
     for dp in range(layout.shape[0]):
         y = 20 + dp * 130
-        s.rect(20, y, 820, 110, fill="#f9fafb", rx=12)
-        s.text(40, y + 30, f"node {dp}: tp group (dp index {dp})", 18, anchor="start",
-               weight="bold")
+        s.rect(20, y, 910, 110, fill="#f9fafb", rx=12)
+        s.text(40, y + 48, f"node {dp}", 20, anchor="start", weight="bold")
+        s.text(40, y + 76, f"dp index {dp}", 16, anchor="start", fill=GREY)
         for tp_idx in range(degree):
             rank = int(layout[dp, tp_idx])
-            x = 40 + tp_idx * 195
-            s.rect(x, y + 45, 180, 52, fill=PALE[tp_idx], stroke=RANK_COLOURS[tp_idx], width=2)
-            s.text(x + 90, y + 77, f"rank {rank}: tp {tp_idx}, dp {dp}", 16)
+            x = 190 + tp_idx * 182
+            s.rect(x, y + 29, 170, 52, fill=PALE[tp_idx], stroke=RANK_COLOURS[tp_idx], width=2)
+            s.text(x + 85, y + 61, f"rank {rank}: tp {tp_idx}", 17)
     for tp_idx in range(degree):
-        x = 40 + tp_idx * 195 + 90
-        s.line(x, 20 + 97, x, 150 + 45, stroke="#b45309", width=3, dash="6 5")
-    s.text(1010, 60, "same row: one TP group", 18, weight="bold")
-    s.text(1010, 88, "shares every layer, same batch", 16, fill=GREY)
-    s.text(1010, 150, "dashed column: dp group", 18, weight="bold", fill="#b45309")
-    s.text(1010, 178, "same shard of the weights,", 16, fill=GREY)
-    s.text(1010, 200, "different batches (FSDP)", 16, fill=GREY)
+        x = 190 + tp_idx * 182 + 85
+        s.line(x, 20 + 81, x, 150 + 29, stroke="#b45309", width=3, dash="6 5")
+    s.text(1065, 60, "a row: one TP group", 18, weight="bold")
+    s.text(1065, 88, "shares every layer,", 16, fill=GREY)
+    s.text(1065, 110, "computes on one batch", 16, fill=GREY)
+    s.text(1065, 170, "a column: a dp group", 18, weight="bold", fill="#b45309")
+    s.text(1065, 198, "the same TP slice, FSDP-", 16, fill=GREY)
+    s.text(1065, 220, "sharded; different batches", 16, fill=GREY)
     s.text(600, 300, 'init_device_mesh(device.type, (world_size // tp, tp), '
            'mesh_dim_names=("dp", "tp"))', 18, mono=True)
     return s
