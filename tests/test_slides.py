@@ -1,0 +1,232 @@
+"""The slides: every deck renders, no slide runs past its page, the diagrams are what
+tools/figures.py draws from the code now, and no bullet has a hard line break.
+
+The rendering test uses marp-cli (pinned, installed with npm into a cache folder outside the
+repository) and headless Chromium (Debian's `chromium`, installed with apt-get when running as
+root). Without them it skips with the reason, except in CI (CI=true), where it fails.
+
+    .venv/bin/python -m pytest tests/test_slides.py
+"""
+
+from __future__ import annotations
+
+import fcntl
+import html
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SLIDES = ROOT / "slides"
+FIGURES = SLIDES / "figures"
+MARP_VERSION = "4.5.1"  # also in README.md ("Slides"): keep them equal
+TOOLS_DIR = Path(os.environ.get("SLIDES_TOOLS_DIR",
+                                Path.home() / ".cache" / "course-slides" / f"marp-cli-{MARP_VERSION}"))
+IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
+# Code is readable from the back of a room down to this size on a 1280 x 720 slide (marp
+# shrinks a wide code block until it fits: a long line makes all of the block small).
+MIN_CODE_PX = 18.0
+FIGURE_REF = re.compile(r"\]\((figures/[^)\s]+)\)|(?:src|href)=\"(figures/[^\"]+)\"")
+
+
+def decks() -> list[Path]:
+    return sorted(SLIDES.glob("*.md"))
+
+
+# ------------------------------------------------------------------ without any tools
+def test_every_committed_figure_is_what_tools_figures_py_draws_from_the_code_now():
+    proc = subprocess.run([sys.executable, "tools/figures.py", "--check"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
+    used = set()
+    for deck in decks():
+        for ref in (a or b for a, b in FIGURE_REF.findall(deck.read_text())):
+            assert (SLIDES / ref).is_file(), f"{deck.name} shows {ref}, which does not exist"
+            used.add(Path(ref).name)
+    unused = sorted(p.name for p in FIGURES.glob("*.svg") if p.name not in used)
+    assert not unused, f"figures no deck shows: {unused}"
+
+
+def test_every_deck_is_marp_and_sorts_in_course_order():
+    names = [d.name for d in decks()]
+    assert names[:4] == ["00a-why.md", "00b-ranks.md", "00c-collectives.md", "00d-data.md"]
+    for deck in decks():
+        head = deck.read_text().split("\n---\n", 1)[0]
+        assert head.startswith("---\n") and "marp: true" in head, f"{deck.name}: no marp front matter"
+
+
+def bullet_continuations(text: str) -> list[str]:
+    """Lines that continue a list item's text on the next source line. Marp renders them with a
+    hard line break (markdown `breaks`), which looks like a ragged half-empty line on a slide."""
+    found, in_code, prev_item = [], False, False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            in_code, prev_item = not in_code, False
+            continue
+        if in_code:
+            continue
+        item = re.match(r"\s*(?:[-*+]|\d+\.)\s+\S", line) is not None
+        if prev_item and not item and line.strip() and line[:1].isspace():
+            found.append(line.strip())
+        prev_item = item or (prev_item and bool(line.strip()) and line[:1].isspace())
+    return found
+
+
+def test_no_bullet_continues_on_a_second_source_line():
+    for deck in decks():
+        lines = bullet_continuations(deck.read_text())
+        assert not lines, f"{deck.name}: write each bullet on one line; continued: {lines[:3]}"
+
+
+def test_the_bullet_check_finds_a_continued_bullet():
+    assert bullet_continuations("- one\n  two\n- three\n") == ["two"]
+    assert bullet_continuations("- one\n  - nested\n\ntext\n```\n- a\n  b\n```\n") == []
+
+
+def test_readme_pins_the_marp_version_the_tests_use():
+    readme = (ROOT / "README.md").read_text()
+    assert f"@marp-team/marp-cli@{MARP_VERSION}" in readme
+    for deck in decks():
+        assert f"slides/{deck.name}" in readme or deck.name.startswith("05-"), \
+            f"README.md does not link slides/{deck.name}"
+
+
+# ------------------------------------------------------------------ rendering
+def _unavailable(why: str):
+    if IN_CI:
+        pytest.fail(f"CI=true but the slides cannot be rendered: {why}", pytrace=False)
+    pytest.skip(f"slides not rendered: {why}")
+
+
+def _find_chromium() -> str | None:
+    for name in (os.environ.get("CHROME_PATH"), "chromium", "chromium-browser", "google-chrome"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _install_chromium(log: Path) -> str | None:
+    """Debian/Ubuntu as root: apt-get install chromium (and the fonts the measurements assume)."""
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        return None
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    with open(log, "w") as out:
+        for cmd in (["apt-get", "update", "-qq"],
+                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium",
+                     "fonts-dejavu-core"]):
+            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                              timeout=900).returncode:
+                return None
+    return _find_chromium()
+
+
+def _install_marp(log: Path) -> Path | None:
+    marp = TOOLS_DIR / "node_modules" / ".bin" / "marp"
+    if marp.exists():
+        return marp
+    if not shutil.which("npm"):
+        return None
+    with open(log, "w") as out:
+        proc = subprocess.run(["npm", "install", "--prefix", str(TOOLS_DIR), "--no-audit",
+                               "--no-fund", "--no-save", f"@marp-team/marp-cli@{MARP_VERSION}"],
+                              stdout=out, stderr=subprocess.STDOUT, timeout=600)
+    return marp if proc.returncode == 0 and marp.exists() else None
+
+
+@pytest.fixture(scope="session")
+def tools() -> tuple[Path, str]:
+    """(marp, chromium), installed on first use; one installer at a time (a file lock)."""
+    TOOLS_DIR.mkdir(parents=True, exist_ok=True)
+    with open(TOOLS_DIR.parent / f"{TOOLS_DIR.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not shutil.which("node"):
+            _unavailable("node is not installed (marp-cli needs Node.js 18 or later)")
+        marp = _install_marp(TOOLS_DIR / "npm.log")
+        if marp is None:
+            _unavailable(f"could not install @marp-team/marp-cli@{MARP_VERSION} with npm "
+                         f"into {TOOLS_DIR} (see npm.log there)")
+        chromium = _find_chromium() or _install_chromium(TOOLS_DIR / "apt.log")
+        if chromium is None:
+            _unavailable("no Chromium: install Debian's `chromium` (apt-get as root) or set "
+                         "CHROME_PATH")
+    return marp, chromium
+
+
+@pytest.fixture(scope="session")
+def rendered(tools, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every deck rendered to HTML by marp-cli and measured in headless Chromium:
+    {deck name: [one dict per slide]} (see tests/slides_measure.js)."""
+    marp, chromium = tools
+    out = tmp_path_factory.mktemp("slides")
+    proc = subprocess.run([str(marp), "--no-stdin", "--html", "--template", "bare",
+                           "--input-dir", str(SLIDES), "--output", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (out / "figures").symlink_to(FIGURES)  # the decks refer to figures/... relatively
+    script = (Path(__file__).parent / "slides_measure.js").read_text()
+    reports = {}
+    for deck in decks():
+        page = out / f"{deck.stem}.html"
+        text = page.read_text()
+        reports[deck.name + ":html"] = text
+        measured = out / f"{deck.stem}.measured.html"
+        # marp's own script only resizes wide code blocks, late: slides_measure.js does it at once
+        text = re.sub(r"<script>.*?</script>", "", text, flags=re.S)
+        measured.write_text(text.replace("</body>", f"<script>{script}</script></body>"))
+        proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
+                               "--hide-scrollbars", "--dump-dom",
+                               measured.as_uri()],
+                              capture_output=True, text=True, timeout=120)
+        found = re.search(r'<pre id="overflow-report">(.*?)</pre>', proc.stdout, re.S)
+        assert found, f"{deck.name}: Chromium returned no measurement: {proc.stderr[-2000:]}"
+        reports[deck.name] = json.loads(html.unescape(found.group(1)))
+    return reports
+
+
+def test_every_deck_renders_every_slide(rendered):
+    for deck in decks():
+        slides = len(re.findall(r"^---$", deck.read_text(), re.M)) - 1  # front matter: 2 rules
+        assert len(rendered[deck.name]) == slides, f"{deck.name}: {len(rendered[deck.name])} " \
+                                                   f"slides rendered, {slides} written"
+
+
+def test_no_slide_runs_past_the_bottom_or_the_right_edge(rendered):
+    problems = []
+    for deck in decks():
+        for s in rendered[deck.name]:
+            if s["over_bottom"] > 1 or s["over_right"] > 1:
+                problems.append(f"slides/{deck.name} slide {s['slide']}: {s['over_bottom']} px "
+                                f"past the bottom, {s['over_right']} px past the right edge "
+                                f"({s['what']})")
+    assert not problems, "\n".join(problems)
+
+
+def test_code_on_slides_stays_readable(rendered):
+    small = [f"slides/{deck.name} slide {s['slide']}: code shrunk to {s['min_code_px']} px "
+             f"(shorten its longest line)"
+             for deck in decks() for s in rendered[deck.name]
+             if s["min_code_px"] is not None and s["min_code_px"] < MIN_CODE_PX]
+    assert not small, "\n".join(small)
+
+
+def test_every_figure_loads(rendered):
+    broken = [f"slides/{deck.name} slide {s['slide']}: {s['broken_images']}"
+              for deck in decks() for s in rendered[deck.name] if s["broken_images"]]
+    assert not broken, "\n".join(broken)
+
+
+def test_no_rendered_bullet_has_a_hard_line_break(rendered):
+    for deck in decks():
+        items = re.findall(r"<li>(.*?)</li>", rendered[deck.name + ":html"], re.S)
+        broken = [re.sub(r"<[^>]+>", "", i)[:60] for i in items if "<br" in i]
+        assert not broken, f"slides/{deck.name}: line breaks inside bullets: {broken}"
