@@ -31,7 +31,7 @@ def stop_if_not_finite(loss, step: int, what: str = "training loss") -> None:
     Give it a loss that is the same on every rank (the all-reduced one), so all ranks stop at
     the same step. Reading the value waits for the step to finish (one sync per step).
     """
-    value = float(loss)
+    value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     if not math.isfinite(value):
         _stop(f"the {what} is {value} at step {step}: training diverged; stopping before "
               "anything is saved over earlier files: lower --lr", get_rank() == 0)
