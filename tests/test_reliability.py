@@ -84,7 +84,7 @@ def test_a_bad_shared_flag_stops_before_any_work_with_one_line_naming_it(tmp_pat
 @pytest.mark.parametrize("script, flag, value", [
     ("tp", "--tp", "0"), ("pp", "--microbatches", "0"), ("pp", "--layers-per-stage", "1,x"),
     ("nd", "--pp", "0"), ("nd", "--dp", "-1"), ("nd", "--tp", "0"), ("nd", "--microbatches", "0"),
-    ("lit", "--devices", "0"), ("lit", "--num-nodes", "0"),
+    ("lit", "--devices", "0"), ("lit", "--num-nodes", "0"), ("lit", "--max-steps", "0"),
 ])
 def test_a_bad_script_specific_flag_stops_with_one_line_naming_it(tmp_path, script, flag, value):
     proc = run(SCRIPTS[script], *TINY, "--out-dir", tmp_path / "run", flag, value)

@@ -58,7 +58,11 @@ def parse_args():
                           "else 2 CPU processes)")
     lit.add_argument("--num-nodes", type=positive_int, default=None,
                      help="nodes (default: the nodes of the Slurm job step, else 1)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.max_steps == 0:  # Trainer(max_steps=0) fits nothing and then has no validation loss
+        parser.error("argument --max-steps: 0 (only evaluate) works in the plain scripts, not "
+                     "in the Lightning variant: give at least 1")
+    return args
 
 
 def slurm_layout() -> tuple[int, int] | None:
@@ -207,7 +211,7 @@ def main():
                                   save_last=True)
     trainer = L.Trainer(
         **settings, max_epochs=args.epochs,
-        max_steps=-1 if args.max_steps is None else args.max_steps,  # 0: only evaluate
+        max_steps=-1 if args.max_steps is None else args.max_steps,
         default_root_dir=out_dir,  # where a requeued job finds its checkpoint (hpc_ckpt_*.ckpt)
         logger=logger, log_every_n_steps=args.log_every, callbacks=[course_log, checkpoints],
         use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)
