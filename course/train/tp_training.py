@@ -112,7 +112,8 @@ def main():
     # links inside a node.
     #| exercise
     #| solution
-    parser.add_argument("--tp", type=positive_int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    parser.add_argument("--tp", type=positive_int,
+                        default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         help="tensor-parallel degree (default: processes per node)")
     #| end
     args = parser.parse_args()

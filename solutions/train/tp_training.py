@@ -103,7 +103,8 @@ def main():
     # DONE 25: A --tp option: the tensor-parallel degree. Default: the processes on this node
     # (torchrun's LOCAL_WORLD_SIZE), since TP communicates in every layer and needs the fast
     # links inside a node.
-    parser.add_argument("--tp", type=positive_int, default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    parser.add_argument("--tp", type=positive_int,
+                        default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         help="tensor-parallel degree (default: processes per node)")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
