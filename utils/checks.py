@@ -66,6 +66,6 @@ def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:
         t = torch.tensor(first_failing, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         first_failing = int(t.item())
-    if first_failing < world_size:
-        _stop(f"cannot write to {flag} {folder} ({error}): give a folder you can write to"
-              if error else "", rank == first_failing)
+    if first_failing < world_size:  # every rank stops; the first one that failed says why
+        _stop(f"cannot write to {flag} {folder} ({error}): give a folder you can write to",
+              rank == first_failing)
