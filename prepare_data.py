@@ -12,8 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from utils.data import (DataUnavailableError, default_cache_dir, download_wikitext2,
-                        hub_cache_file, hub_reachable, load_corpus)
+from utils.data import (DataUnavailableError, default_cache_dir, hub_cache_file, hub_reachable,
+                        load_corpus)
 
 
 def main() -> int:
@@ -22,16 +22,12 @@ def main() -> int:
     p.add_argument("--cache-dir", default=None, help="default: $COURSE_DATA_CACHE or data_cache/")
     args = p.parse_args()
     cache_dir = Path(args.cache_dir) if args.cache_dir else default_cache_dir()
-    if args.data_dir:
-        try:
-            corpus = load_corpus("wikitext-2", args.data_dir, cache_dir)
+    if args.data_dir or hub_cache_file(cache_dir).is_file() or hub_reachable():
+        try:  # a damaged cache is downloaded again (or refused with one line when offline)
+            corpus = load_corpus("wikitext-2", args.data_dir, cache_dir, warn=print)
         except DataUnavailableError as e:
             print(f"prepare_data: error: {e}", file=sys.stderr)
             return 1
-    elif hub_cache_file(cache_dir).is_file():
-        corpus = load_corpus("wikitext-2", None, cache_dir)
-    elif hub_reachable():
-        corpus = download_wikitext2(cache_dir)
     else:
         print("prepare_data: the Hugging Face hub is not reachable from here, so WikiText-2 was "
               "not downloaded. Run this script on a machine with internet (a login node), or "

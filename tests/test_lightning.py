@@ -140,7 +140,8 @@ SLURM_TASK_5_OF_2x4 = dict(
     SLURM_JOB_ID="4242", SLURM_JOB_NAME="Lit_training", SLURM_NNODES="2",
     SLURM_JOB_NUM_NODES="2", SLURM_NODELIST="node[1-2]", SLURM_JOB_NODELIST="node[1-2]",
     SLURM_NTASKS="8", SLURM_NPROCS="8", SLURM_NTASKS_PER_NODE="4", SLURM_TASKS_PER_NODE="4(x2)",
-    SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_CPUS_PER_TASK="8")
+    SLURM_PROCID="5", SLURM_LOCALID="1", SLURM_NODEID="1", SLURM_CPUS_PER_TASK="8",
+    SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="8")
 
 
 @pytest.fixture
@@ -235,7 +236,7 @@ def test_sigusr1_before_the_time_limit_saves_requeues_and_the_requeued_job_resum
         SLURM_JOB_ID="4242", SLURM_JOB_NAME="Lit_training", SLURM_NNODES="1",
         SLURM_JOB_NUM_NODES="1", SLURM_NODELIST="localhost", SLURM_NTASKS="1",
         SLURM_NTASKS_PER_NODE="1", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+        SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
         PATH=f"{bin_dir}:{script_env()['PATH']}", SCONTROL_LOG=scontrol_log)
     env = script_env(cache_dir=data_cache, **one_task_job)
     cmd = [sys.executable, LIT_SCRIPT, *TINY, "--logger", "none", "--log-every", "1",

@@ -33,9 +33,10 @@ from torch.distributed.fsdp import fully_shard
 
 from model import get_config
 from model.transformerLM import LitTransformerLM
-from utils.args import base_parser
-from utils.data import load_corpus_or_exit
-from utils.distributed_utils import destroy_process_group
+from utils.args import base_parser, positive_int
+from utils.checks import check_writable, stop_if_not_finite
+from utils.data import check_splits, load_corpus_or_exit
+from utils.distributed_utils import TIMEOUT, destroy_process_group
 from utils.lit_data import WikiText2DataModule
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
 
@@ -52,12 +53,16 @@ def parse_args():
                      help="ddp, or fsdp2: fully_shard through Lightning's ModelParallelStrategy")
     lit.add_argument("--accelerator", choices=["auto", "cpu", "gpu"], default=None,
                      help="default from --device: GPUs when there are any, else the CPU")
-    lit.add_argument("--devices", type=int, default=None,
+    lit.add_argument("--devices", type=positive_int, default=None,
                      help="processes per node (default: Slurm's tasks per node, else every GPU, "
                           "else 2 CPU processes)")
-    lit.add_argument("--num-nodes", type=int, default=None,
+    lit.add_argument("--num-nodes", type=positive_int, default=None,
                      help="nodes (default: the nodes of the Slurm job step, else 1)")
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.max_steps == 0:  # Trainer(max_steps=0) fits nothing and then has no validation loss
+        parser.error("argument --max-steps: 0 (only evaluate) works in the plain scripts, not "
+                     "in the Lightning variant: give at least 1")
+    return args
 
 
 def slurm_layout() -> tuple[int, int] | None:
@@ -69,6 +74,10 @@ def slurm_layout() -> tuple[int, int] | None:
     """
     if not SLURMEnvironment.detect():  # no srun (or an interactive job named bash/interactive)
         return None
+    if "SLURM_STEP_NUM_TASKS" not in os.environ:  # srun sets it; the batch script has no step
+        sys.exit(f"error: this process runs in Slurm job {os.environ.get('SLURM_JOB_ID')} but "
+                 "srun did not start it, so it would wait for tasks that never come: start it "
+                 "with srun (as Lit_training.sbatch does)")
     if "SLURM_NTASKS_PER_NODE" not in os.environ:
         sys.exit("error: start the training tasks with --ntasks-per-node=<GPUs per node> "
                  "(Lightning's SLURM convention), not --ntasks")
@@ -92,9 +101,10 @@ def trainer_settings(args) -> dict:
         # Every process is one data-parallel rank: say so, or ModelParallelStrategy's default
         # makes the processes of a node a tensor-parallel group that all read the same batches.
         strategy = ModelParallelStrategy(data_parallel_size=num_nodes * devices,
-                                         tensor_parallel_size=1)
+                                         tensor_parallel_size=1, timeout=TIMEOUT)
     else:
-        strategy = DDPStrategy()
+        # timeout: a missing or stuck process fails the others after DIST_TIMEOUT_MINUTES
+        strategy = DDPStrategy(timeout=TIMEOUT)
     return dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                 plugins=plugins)
 
@@ -135,6 +145,7 @@ class CourseLog(Callback):
         self.loss_history.append(loss.detach().clone())
         self.throughput.step(batch[0].numel() * trainer.world_size)
         step = trainer.global_step
+        stop_if_not_finite(loss, step)  # before Lightning saves a checkpoint
         if step % self.log_every == 0:
             print0(f"epoch {trainer.current_epoch} step {step} loss {loss.item():.4f}")
         if step == trainer.max_steps:
@@ -148,6 +159,7 @@ class CourseLog(Callback):
 
     def on_validation_end(self, trainer, pl_module):
         loss = trainer.callback_metrics["val/loss"].item()
+        stop_if_not_finite(loss, trainer.global_step, "validation loss")  # ModelCheckpoint runs after
         print0(f"epoch {trainer.current_epoch} validation loss {loss:.4f} "
                f"perplexity {perplexity(loss):.1f}")
 
@@ -161,6 +173,7 @@ class CourseLog(Callback):
 def main():
     args = parse_args()
     out_dir = Path(args.out_dir)
+    check_writable(out_dir)  # now, not at the first save after hours of training
     start_time = time.time()
     L.seed_everything(args.seed, verbose=False)  # the same weights on every rank (and as plain)
 
@@ -178,6 +191,8 @@ def main():
 
     # ---- trainer: processes, process group, DDP/FSDP2, devices, logging, checkpoints ----
     settings = trainer_settings(args)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size,
+                 settings["num_nodes"] * settings["devices"])
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(data.train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{lit_model.model.num_params() / 1e6:.1f}M parameters; world size "
@@ -195,7 +210,8 @@ def main():
     checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor="val/loss", mode="min",
                                   save_last=True)
     trainer = L.Trainer(
-        **settings, max_epochs=args.epochs, max_steps=args.max_steps or -1,
+        **settings, max_epochs=args.epochs,
+        max_steps=-1 if args.max_steps is None else args.max_steps,
         default_root_dir=out_dir,  # where a requeued job finds its checkpoint (hpc_ckpt_*.ckpt)
         logger=logger, log_every_n_steps=args.log_every, callbacks=[course_log, checkpoints],
         use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)

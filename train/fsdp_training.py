@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
-from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.checks import check_writable, stop_if_not_finite
+from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, model_state_bytes,
                            peak_memory_bytes, perplexity, training_summary, write_summary)
 from torch.utils.data.distributed import DistributedSampler
@@ -64,11 +65,13 @@ def main():
     # Under torchrun, join the process group and pick this rank's GPU (or the CPU with gloo).
     # Every rank is seeded alike, so every rank builds the same initial weights.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    check_writable(out_dir)  # now, not at the first save after hours of training
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # Every rank gets its own shard of the data, in the same shuffled order on every rank;
@@ -131,6 +134,7 @@ def main():
             throughput.step(x.numel() * world_size)
             # Each rank's loss covers only its own batch: log the mean over all ranks.
             step_loss = all_reduce_mean(loss.detach())
+            stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
@@ -140,6 +144,7 @@ def main():
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
+        stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:

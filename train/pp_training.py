@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
-from utils.args import base_parser
-from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.args import base_parser, positive_int, positive_int_list
+from utils.checks import check_writable, stop_if_not_finite
+from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
 from torch.utils.data.distributed import DistributedSampler
@@ -58,6 +59,7 @@ def main():
     # setup() joins the process group and picks this rank's device; it seeds every rank alike,
     # so every stage cuts its layers out of the same initial model.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    check_writable(out_dir)  # now, not at the first save after hours of training
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -74,6 +76,7 @@ def main():
                                        shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
     test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size, train_sampler.num_replicas)
     loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                        pin_memory=device.type == "cuda")
     train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
@@ -119,6 +122,7 @@ def main():
             throughput.step(x.numel() * world_size)
             # Each rank's loss covers only its own batch: log the mean over all ranks.
             step_loss = all_reduce_mean(loss.detach())
+            stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
@@ -127,6 +131,7 @@ def main():
         throughput.pause()  # evaluation time is not training time
         # TODO 43: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device)
+        stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:

@@ -3,11 +3,89 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 
 from model import PRESETS
 
+
+# ---- argparse types: a bad value stops the run at once with one line naming the flag ----
+
+def positive_int(text: str) -> int:
+    """An int of at least 1 (batch sizes, lengths, degrees, epochs)."""
+    value = _int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a whole number of at least 1")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An int of at least 0 (--max-steps 0 only evaluates, --num-workers 0 loads in-process)."""
+    value = _int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a whole number of at least 0")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite float above 0 (the learning rate: inf or nan would train nothing but NaN)."""
+    value = _float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a finite number above 0")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite float of at least 0 (weight decay)."""
+    value = _float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a finite number of at least 0")
+    return value
+
+
+def probability(text: str) -> float:
+    """A float in [0, 1) (dropout)."""
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not allowed: give a number from 0 to below 1")
+    return value
+
+
+def positive_int_list(text: str) -> list[int]:
+    """Comma-separated ints of at least 1, e.g. 3,5 (--layers-per-stage)."""
+    return [positive_int(n) for n in text.split(",")]
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not allowed: give a finite number")
+    return value
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: `<script>: error: argument --x: ...`.
+
+    argparse prints the whole usage first, which for our scripts is a screenful that hides
+    the line saying what to change; --help still shows it.
+    """
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+# ---- defaults ----
 
 def default_num_workers() -> int:
     """DataLoader workers per rank: the CPUs Slurm gave each rank, less one for the main process.
@@ -30,8 +108,8 @@ def default_out_dir(script: str) -> str:
 
 
 def base_parser(script: str, description: str | None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=description,
+                      formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
     data.add_argument("--dataset", choices=["auto", "wikitext-2", "synthetic"], default="auto",
                       help="auto: WikiText-2 if cached, given by --data-dir or downloadable, "
@@ -40,26 +118,26 @@ def base_parser(script: str, description: str | None) -> argparse.ArgumentParser
                                          "(or wiki.{train,valid,test}.tokens)")
     data.add_argument("--cache-dir", help="tokenised-data cache (default $COURSE_DATA_CACHE "
                                           "or data_cache/ in the repository)")
-    data.add_argument("--seq-len", type=int, default=None,
+    data.add_argument("--seq-len", type=positive_int, default=None,
                       help="tokens per sample (default: the preset's max_seq_len)")
-    data.add_argument("--num-workers", type=int, default=default_num_workers(),
+    data.add_argument("--num-workers", type=non_negative_int, default=default_num_workers(),
                       help="DataLoader workers per rank (default from SLURM_CPUS_PER_TASK)")
     model = p.add_argument_group("model")
     model.add_argument("--preset", choices=list(PRESETS), default="workshop")
-    model.add_argument("--dropout", type=float, default=None,
+    model.add_argument("--dropout", type=probability, default=None,
                        help="dropout probability (default: the preset's)")
     train = p.add_argument_group("training")
-    train.add_argument("--epochs", type=int, default=10)
-    train.add_argument("--max-steps", type=int, default=None,
-                       help="stop after this many optimizer steps (a short run)")
-    train.add_argument("--batch-size", type=int, default=32, help="sequences per step and rank")
-    train.add_argument("--lr", type=float, default=1e-3)
-    train.add_argument("--weight-decay", type=float, default=0.1)
+    train.add_argument("--epochs", type=positive_int, default=10)
+    train.add_argument("--max-steps", type=non_negative_int, default=None,
+                       help="stop after this many optimizer steps (a short run; 0: only evaluate)")
+    train.add_argument("--batch-size", type=positive_int, default=32, help="sequences per step and rank")
+    train.add_argument("--lr", type=positive_float, default=1e-3)
+    train.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     out = p.add_argument_group("output")
     out.add_argument("--out-dir", default=default_out_dir(script),
                      help="checkpoints, logs and summary.json (default runs/<script>[-<job id>])")
     out.add_argument("--logger", choices=["none", "tensorboard", "wandb"], default="tensorboard")
-    out.add_argument("--log-every", type=int, default=10, help="steps between loss prints")
+    out.add_argument("--log-every", type=positive_int, default=10, help="steps between loss prints")
     return p

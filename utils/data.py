@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from utils.distributed_utils import atomic_torch_save
+from utils.distributed_utils import atomic_torch_save, is_root_process
 
 UNK, EOS = "<unk>", "<eos>"
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
@@ -102,7 +102,19 @@ def local_split_files(data_dir: str | os.PathLike) -> dict[str, Path]:
 
 
 def read_local_splits(files: dict[str, Path]) -> dict[str, list[str]]:
-    return {s: f.read_text(encoding="utf-8").splitlines() for s, f in files.items()}
+    return {s: read_text_file(f).splitlines() for s, f in files.items()}
+
+
+def read_text_file(path: Path) -> str:
+    """The file as UTF-8 text; anything else is refused with the file, line and byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataUnavailableError(
+            f"{path} is not UTF-8 text: byte {e.start} (line {line}) is {data[e.start:e.start + 1]!r}; "
+            f"convert the file, e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8.txt") from None
 
 
 def read_hub_splits(cache_dir: Path) -> dict[str, list[str]]:
@@ -174,11 +186,32 @@ def _cache_file(cache_dir: Path, name: str, key: str) -> Path:
     return cache_dir / f"{name}-{digest}.pt"
 
 
+class CorruptCacheError(DataUnavailableError):
+    """A cache file exists but cannot be read (truncated by a full disk, a killed copy...)."""
+
+
 def _load_cached(path: Path) -> Corpus | None:
+    """The cached corpus; None if there is none. CorruptCacheError if the file is unreadable."""
     if not path.is_file():
         return None
-    d = torch.load(path, weights_only=True)
-    return Corpus(d["vocab"], d["train"], d["valid"], d["test"], source=d["source"])
+    try:
+        d = torch.load(path, weights_only=True)
+        corpus = Corpus(d["vocab"], d["train"], d["valid"], d["test"], source=d["source"])
+        if not all(isinstance(t, torch.Tensor) for t in (corpus.train, corpus.valid, corpus.test)):
+            raise TypeError("a split is not a tensor")
+    except Exception as e:  # torch.load raises many kinds for damaged files
+        raise CorruptCacheError(f"the data cache {path} is damaged ({type(e).__name__} "
+                                "when reading it)") from None
+    return corpus
+
+
+def _load_or_forget(path: Path, warn) -> Corpus | None:
+    """The cached corpus, or None (to rebuild it) if there is none or the file is damaged."""
+    try:
+        return _load_cached(path)
+    except CorruptCacheError as e:
+        (warn or print)(f"WARNING: {e}: rebuilding it")
+        return None
 
 
 def _save_cached(corpus: Corpus, path: Path) -> None:
@@ -188,9 +221,9 @@ def _save_cached(corpus: Corpus, path: Path) -> None:
                        "test": corpus.test, "source": corpus.source}, path)
 
 
-def _cached(cache_dir: Path, name: str, key: str, build) -> Corpus:
+def _cached(cache_dir: Path, name: str, key: str, build, warn=None) -> Corpus:
     path = _cache_file(cache_dir, name, key)
-    corpus = _load_cached(path)
+    corpus = _load_or_forget(path, warn)
     if corpus is None:
         corpus = build()
         _save_cached(corpus, path)
@@ -216,15 +249,23 @@ def load_corpus(dataset: str = "auto", data_dir: str | None = None,
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     if dataset == "synthetic":
         return _cached(cache_dir, "synthetic", "synthetic:v1",
-                       lambda: build_corpus(synthetic_splits(), "synthetic"))
+                       lambda: build_corpus(synthetic_splits(), "synthetic"), warn)
     if data_dir:
         files = local_split_files(data_dir)
         digest = hashlib.sha256()
         for s in SPLITS:
             digest.update(files[s].read_bytes())
         return _cached(cache_dir, Path(data_dir).resolve().name, f"local:{digest.hexdigest()}",
-                       lambda: build_corpus(read_local_splits(files), f"local:{data_dir}"))
-    corpus = _load_cached(hub_cache_file(cache_dir))
+                       lambda: build_corpus(read_local_splits(files), f"local:{data_dir}"), warn)
+    try:
+        corpus = _load_cached(hub_cache_file(cache_dir))
+    except CorruptCacheError as e:
+        if not hub_reachable():  # only a download rebuilds it: say where and how
+            raise DataUnavailableError(
+                f"{e}: rebuild it with `python prepare_data.py` on a login node (with "
+                "internet)") from None
+        (warn or print)(f"WARNING: {e}: downloading WikiText-2 again")
+        return download_wikitext2(cache_dir)
     if corpus is not None:
         return corpus
     if hub_reachable():
@@ -259,6 +300,45 @@ def load_corpus_or_exit(dataset: str, data_dir: str | None, cache_dir: str | Non
 # Samples
 
 
+def num_windows(tokens: int, seq_len: int) -> int:
+    """Windows of seq_len + 1 tokens that share only their boundary token."""
+    return max(0, (tokens - 1) // seq_len)
+
+
+def check_splits(corpus: Corpus, seq_len: int, batch_size: int, replicas: int = 1) -> None:
+    """Stop with one line (on rank 0) if a split is too short for this --seq-len and batch.
+
+    Validation and test need one window; training needs one global batch (batch_size windows
+    for each of `replicas` data-parallel ranks), or every epoch would train nothing.
+    """
+    problem = None
+    for split in SPLITS:
+        tokens = len(getattr(corpus, split))
+        if num_windows(tokens, seq_len) == 0:
+            fix = (f"use --seq-len {tokens - 1} or less" if tokens > 1
+                   else "put text into it")
+            problem = (f"the {split} split of {corpus.source} has {tokens} tokens, fewer than "
+                       f"one window of --seq-len {seq_len} + 1: {fix}")
+            break
+    if problem is None:
+        tokens, global_batch = len(corpus.train), batch_size * replicas
+        n = num_windows(tokens, seq_len)
+        if n < global_batch:
+            fixes = []
+            if (tokens - 1) // global_batch >= 1:
+                fixes.append(f"--seq-len {(tokens - 1) // global_batch} or less")
+            if n // replicas >= 1:
+                fixes.append(f"--batch-size {n // replicas} or less")
+            problem = (f"the train split of {corpus.source} has {tokens} tokens: "
+                       f"{n} windows of --seq-len {seq_len}, fewer than one global batch of "
+                       f"{global_batch} (--batch-size {batch_size} x {replicas} data-parallel "
+                       f"rank{'s' if replicas > 1 else ''}): use {' or '.join(fixes) or 'fewer ranks or more training text'}")
+    if problem is not None:
+        if is_root_process():
+            print(f"error: {problem}", file=sys.stderr, flush=True)
+        sys.exit(1)
+
+
 class TokenWindows(Dataset):
     """Sample i is x = tokens[i*T : i*T+T] and its targets y = tokens[i*T+1 : i*T+T+1].
 
@@ -268,14 +348,12 @@ class TokenWindows(Dataset):
 
     Indices from len(self) on are padding samples whose targets are all IGNORE_INDEX: they let
     every rank run the same number of evaluation batches without counting anything twice.
+    A split shorter than one window has no samples: check_splits says what to change.
     """
 
     def __init__(self, tokens: torch.Tensor, seq_len: int):
-        if len(tokens) < seq_len + 1:
-            raise ValueError(f"a split of {len(tokens)} tokens is shorter than one window of "
-                             f"--seq-len {seq_len} + 1: use a smaller --seq-len")
         self.tokens, self.seq_len = tokens, seq_len
-        self.n = (len(tokens) - 1) // seq_len
+        self.n = num_windows(len(tokens), seq_len)
 
     def __len__(self) -> int:
         return self.n

@@ -63,8 +63,8 @@ def setup(seed: int = 0, device: str = "auto") -> tuple[int, int, torch.device, 
         # Without torchrun a group of one process (in an in-memory store) lets the same code,
         # DDP included, run with plain `python script.py`.
         single = {} if "RANK" in os.environ else dict(store=dist.HashStore(), rank=0, world_size=1)
-        dist.init_process_group(backend, timeout=TIMEOUT,
-                                device_id=dev if dev.type == "cuda" else None, **single)
+        init_process_group_or_exit(backend, timeout=TIMEOUT,
+                                   device_id=dev if dev.type == "cuda" else None, **single)
     if world_size > 1:
         # One line per rank, so a log shows at once which ranks started where.
         print(f"setup: rank {rank}/{world_size} local_rank {local_rank} host {socket.gethostname()} "
@@ -297,3 +297,52 @@ def gather_per_rank(value: float, device: torch.device) -> list[float]:
     values = torch.zeros(get_world_size(), dtype=torch.float64, device=device)
     values[get_rank()] = value
     return all_reduce_sum(values).tolist()
+
+
+
+def init_process_group_or_exit(backend: str, **kwargs) -> None:
+    """dist.init_process_group, but a rendezvous that fails (no rank 0 at MASTER_ADDR:MASTER_PORT,
+    ranks missing, variables unset) ends the process with one line instead of a traceback.
+
+    Every wait is bounded by `timeout` (TIMEOUT, from DIST_TIMEOUT_MINUTES): torch uses it for
+    connecting to rank 0's store and for rank 0 waiting for the others (it retries once, so
+    a failure shows after one to three times the timeout).
+    """
+    import sys
+    timeout = kwargs.get("timeout", TIMEOUT)
+    rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if "store" not in kwargs and not (addr and port):
+        sys.exit(f"error: RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR or "
+                 "MASTER_PORT is not: start the script with torchrun (it sets them), or unset "
+                 "RANK and WORLD_SIZE to run one process")
+    if "store" not in kwargs and rank != "0" and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # Started by hand or by srun, not torchrun: wait for rank 0's store ourselves, so that
+        # a missing rank 0 gives one line (torch's own failure prints pages of C++ frames).
+        if not _port_opens(addr, int(port), timeout.total_seconds()):
+            sys.exit(f"error: rank {rank} of {world_size} waited {timeout} for rank 0 at "
+                     f"MASTER_ADDR:MASTER_PORT {addr}:{port}, and nothing answered there: start "
+                     "every rank together (torchrun, or srun in the sbatch file), check "
+                     "MASTER_ADDR, or raise DIST_TIMEOUT_MINUTES")
+    try:
+        dist.init_process_group(backend, **kwargs)
+    except (ValueError, RuntimeError) as e:  # DistError is a RuntimeError
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        waited = ("for the other ranks" if rank == "0" else "for rank 0")
+        sys.exit(f"error: rank {rank} of {world_size} waited {timeout} {waited} at "
+                 f"MASTER_ADDR:MASTER_PORT {addr}:{port} ({reason.rstrip('.')}): start every rank "
+                 "together (torchrun, or srun in the sbatch file), or raise DIST_TIMEOUT_MINUTES")
+
+
+def _port_opens(host: str, port: int, seconds: float) -> bool:
+    """Whether host:port accepts a TCP connection within `seconds` (tried every second)."""
+    import time
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1).close()
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))

@@ -40,8 +40,10 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
-from utils.args import base_parser
-from utils.data import IGNORE_INDEX, DistributedEvalSampler, TokenWindows, load_corpus_or_exit
+from utils.args import base_parser, positive_int, positive_int_list
+from utils.checks import check_writable, stop_if_not_finite
+from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
+                        load_corpus_or_exit)
 from utils.distributed_utils import all_reduce_mean, all_reduce_sum, destroy_process_group, print0, setup
 from utils.metrics import (MetricLogger, StageBusyTimer, Throughput, flops_per_token, perplexity,
                            pipeline_bubble_fraction, training_summary, write_summary)
@@ -137,19 +139,20 @@ def check_degrees(args, cfg, world_size: int) -> None:
 def main():
     parser = base_parser(__file__, __doc__)
     par = parser.add_argument_group("parallelism (pp x dp x tp = world size)")
-    par.add_argument("--pp", type=int, default=1, help="pipeline stages (outermost)")
-    par.add_argument("--dp", type=int, default=None,
+    par.add_argument("--pp", type=positive_int, default=1, help="pipeline stages (outermost)")
+    par.add_argument("--dp", type=positive_int, default=None,
                      help="data-parallel (FSDP) replicas (default: world size / (pp x tp))")
-    par.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (innermost)")
+    par.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel degree (innermost)")
     par.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    par.add_argument("--microbatches", type=int, default=4)
-    par.add_argument("--layers-per-stage", type=lambda s: [int(n) for n in s.split(",")],
+    par.add_argument("--microbatches", type=positive_int, default=4)
+    par.add_argument("--layers-per-stage", type=positive_int_list,
                      help="blocks per stage, comma-separated (default: an equal split)")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
     start_time = time.time()
 
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    check_writable(out_dir)  # now, not at the first save after hours of training
     if args.dp is None:
         args.dp = max(1, world_size // (args.pp * args.tp))
 
@@ -158,6 +161,7 @@ def main():
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
     check_degrees(args, cfg, world_size)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size, args.dp)
     mesh = init_device_mesh(device.type, (args.pp, args.dp, args.tp),
                             mesh_dim_names=("pp", "dp", "tp"))
     stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
@@ -223,6 +227,7 @@ def main():
             step_loss = report_from_last_stage(
                 torch.stack([l.full_tensor() for l in losses]).mean() if stage.is_last else None,
                 device, dp_group, pp_group, last_stage)
+            stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
@@ -230,6 +235,7 @@ def main():
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule, dp_group,
                             pp_group, last_stage)
+        stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if step == args.max_steps:

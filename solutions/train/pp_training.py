@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
-from utils.args import base_parser
-from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.args import base_parser, positive_int, positive_int_list
+from utils.checks import check_writable, stop_if_not_finite
+from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
 from torch.utils.data.distributed import DistributedSampler
@@ -119,9 +120,9 @@ def main():
     # DONE 36: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
     # batch), and --layers-per-stage for an uneven split (e.g. 3,5).
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
-    parser.add_argument("--microbatches", type=int, default=4,
+    parser.add_argument("--microbatches", type=positive_int, default=4,
                         help="pieces each batch is cut into (at least the number of stages)")
-    parser.add_argument("--layers-per-stage", type=lambda s: [int(n) for n in s.split(",")],
+    parser.add_argument("--layers-per-stage", type=positive_int_list,
                         help="blocks per stage, comma-separated (default: an equal split)")
     args = parser.parse_args()
     out_dir = Path(args.out_dir)
@@ -130,6 +131,7 @@ def main():
     # setup() joins the process group and picks this rank's device; it seeds every rank alike,
     # so every stage cuts its layers out of the same initial model.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    check_writable(out_dir)  # now, not at the first save after hours of training
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -148,6 +150,7 @@ def main():
                                        shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=0)
     test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size, train_sampler.num_replicas)
     loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                        pin_memory=device.type == "cuda")
     train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
@@ -206,6 +209,7 @@ def main():
             step_loss = (torch.stack(losses).mean() if stage.is_last
                          else torch.zeros((), device=device))
             dist.broadcast(step_loss, src=num_stages - 1)
+            stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
@@ -214,6 +218,7 @@ def main():
         throughput.pause()  # evaluation time is not training time
         # DONE 43: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
+        stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:

@@ -23,7 +23,8 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
-from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
+from utils.checks import check_writable, stop_if_not_finite
+from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
 # DONE 1: Import what DDP needs: DistributedDataParallel, DistributedSampler, our
@@ -43,12 +44,14 @@ def main():
     # DONE 2: Replace the hand-made device with `setup()`: under torchrun it joins the process
     # group and picks this rank's GPU (or the CPU with gloo); it seeds every rank alike.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    check_writable(out_dir)  # now, not at the first save after hours of training
 
     # ---- data ----
     # DONE 9: Print on rank 0 only: replace print by print0 here and in the DONE 9 lines below.
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # DONE 3: Give every rank its own shard of the data. Training: a DistributedSampler,
@@ -99,6 +102,7 @@ def main():
             throughput.step(x.numel() * world_size)
             # DONE 7: Each rank's loss covers only its own batch: log the mean over all ranks.
             step_loss = all_reduce_mean(loss.detach())
+            stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
                 # DONE 9: print0
@@ -107,6 +111,7 @@ def main():
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
+        stop_if_not_finite(val_loss, step, "validation loss")
         train_loss = torch.stack(loss_history[first_step:]).mean().item() if step > first_step \
             else math.nan
         # DONE 9: print0
