@@ -243,7 +243,7 @@ def test_training_continues_identically_after_loading_at_1_and_at_3_ranks(
     _, _, loss1, model1 = loaded_at_1_and_3_ranks[1]
     _, _, loss3, model3 = loaded_at_1_and_3_ranks[3]
     torch.testing.assert_close(loss3, loss1, atol=1e-6, rtol=0)
-    assert_same(model3, model1, atol=1e-5)
+    assert_same(model3, model1, atol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP: loading in one process

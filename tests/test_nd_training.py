@@ -47,7 +47,7 @@ def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(tmp_p
         warnings.simplefilter("ignore")  # DCP warns that no process group exists here
         dcp.load(state, checkpoint_id=nd_dir / "final_model")
     for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
-        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], v, rtol=0, atol=3e-4, msg=lambda m: f"{k}: {m}")
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_stop_with_one_clear_line(tmp_path,
