@@ -378,13 +378,18 @@ def test_stopping_and_resuming_gives_the_losses_and_weights_of_an_uninterrupted_
                 torch.load(tmp / "fsdp" / "final_model.pt", weights_only=True), atol=1e-4)
 
 
-def test_resuming_with_another_global_batch_fails_with_one_line_saying_what_to_change(runs):
+@pytest.mark.parametrize("batch_size", [5, 16])  # 16 divides the 48 samples trained on: refused too
+def test_resuming_with_another_global_batch_fails_with_one_line_saying_what_to_change(
+        runs, batch_size):
     tmp, env = runs
-    proc = run_script(SOLUTION, *COMMON, "--max-steps", 6, "--batch-size", 5,
+    proc = run_script(SOLUTION, *COMMON, "--max-steps", 6, "--batch-size", batch_size,
                       "--out-dir", tmp / "bad", "--resume", tmp / "fsdp" / "checkpoints" / "last",
                       env=env, timeout=TIMEOUT, check=False)
     assert proc.returncode != 0
-    assert "use --batch-size x ranks = 8" in proc.stderr.strip().splitlines()[-1]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --resume: the checkpoint was trained with a global batch of 8 sequences, this "
+        f"run has {batch_size}: use --batch-size x ranks = 8 (or start a new run without --resume)")
+    assert not (tmp / "bad" / "summary.json").exists()
 
 
 def test_the_exercise_as_shipped_trains_with_ddp_and_holds_twice_the_state_per_rank(runs):

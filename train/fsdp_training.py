@@ -16,6 +16,7 @@ When the TODOs are done, continue a run from its last checkpoint (at any number 
         --resume runs/fsdp_training/checkpoints/last
 A run restarted by torchrun (a rank died, --max-restarts) or by Slurm (a requeued job) continues
 from its newest checkpoint by itself (--resume auto); --checkpoint-every bounds the steps lost:
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # or restarted workers may hang (pytorch#135712)
     torchrun --standalone --nproc_per_node=2 --max-restarts 1 train/fsdp_training.py \\
         --preset tiny --max-steps 100 --checkpoint-every 10
 """
