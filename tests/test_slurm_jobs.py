@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
-from slurm_cluster import Cluster, ClusterUnavailable, Job, python_errors  # noqa: E402
+from slurm_cluster import (FINAL_STATES, Cluster, ClusterUnavailable, Job,  # noqa: E402
+                           python_errors)
 
 # A job may wait in the queue for another session's jobs (see Cluster.pending_limit).
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
@@ -236,3 +237,75 @@ def test_python_errors_finds_argparse_messages_and_exceptions():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
     assert python_errors("/v/bin/python: can't open file '/r/t.py': [Errno 2] No such file") \
         == ["/v/bin/python: can't open file '/r/t.py': [Errno 2] No such file"]
+
+
+# ------------------------------------------------------------- Lightning: requeue at the time limit
+def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_finishes(
+        slurm, tmp_path, text_dir, job_env):
+    """Lit_training.sbatch with a 2-minute limit and SIGUSR1 50 s before it. slurmctld checks
+    time limits every 30 s and may send the signal up to 30 s early, so it comes 40-70 s after
+    the start (earlier, before Lightning has set its handler, it would kill the processes).
+    Lightning saves OUT_DIR/hpc_ckpt_N.ckpt and runs `scontrol requeue`; the job starts again
+    with the same id and OUT_DIR and resumes from that checkpoint.
+
+    One training process (one node, NPROC_PER_NODE=1): with two or more, Lightning's handler
+    saves its checkpoint (a collective) from inside the signal handler, at a different point on
+    every rank, and the job hangs until the time limit (measured on this cluster; see
+    docs/reliability.md and Lightning-AI/pytorch-lightning#21406).
+    Two interventions keep the test short and deterministic, both only on the requeued job
+    while it waits: Slurm holds a requeued job for 120 s (Reason=BeginTime), lifted with
+    StartTime=now, and its limit is raised to 4 minutes so that it is not signalled again; its
+    --max-steps is the interrupted step + 5 (read by the copy of the sbatch file below)."""
+    if not (ROOT / "solutions/Lit_training.sbatch").is_file():
+        pytest.skip("solutions/Lit_training.sbatch is not in this checkout yet")
+    import time
+    import torch
+    out = tmp_path / "run"
+    out.mkdir()
+    # The sbatch file as shipped, plus one line: training arguments the test adds later.
+    text = (ROOT / "solutions/Lit_training.sbatch").read_text()
+    args_line = 'ARGS=(--dataset wikitext-2 --preset workshop --out-dir "$OUT_DIR" "$@")\n'
+    assert args_line in text
+    variant = tmp_path / "Lit_training.sbatch"
+    variant.write_text(text.replace(args_line, args_line + (
+        'if [ -f "$OUT_DIR/more_args" ]; then ARGS+=($(cat "$OUT_DIR/more_args")); fi\n')))
+    job_id = slurm.submit(
+        variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
+        "--out-dir", out, "--max-steps", "100000000", output=out / "job.out",
+        sbatch_options=["--nodes=1", "--time=2", "--signal=SIGUSR1@50"],
+        env={**job_env, "OUT_DIR": out, "NPROC_PER_NODE": 1})
+
+    # The first run: wait for the requeue (the job waits again, with one restart).
+    deadline = time.monotonic() + 150
+    while True:
+        fields = slurm.job_fields(job_id) or {}
+        if fields.get("JobState") == "PENDING" and fields.get("Restarts") == "1":
+            break
+        if fields.get("JobState") in FINAL_STATES or time.monotonic() > deadline:
+            slurm.run("scancel", job_id, check=False)
+            log = (out / "job.out").read_text(errors="replace")
+            pytest.fail(f"job {job_id} was not requeued: {fields.get('JobState')} "
+                        f"(Reason={fields.get('Reason')})\n{log[-4000:]}")
+        time.sleep(1)
+    saved = sorted(out.glob("hpc_ckpt_*.ckpt"), key=lambda p: int(p.stem.split("_")[-1]))
+    assert saved, f"no hpc_ckpt_N.ckpt in {out}"
+    interrupted_at = torch.load(saved[-1], weights_only=True, map_location="cpu")["global_step"]
+    assert interrupted_at > 0
+    (out / "more_args").write_text(f"--max-steps {interrupted_at + 5}\n")
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", "TimeLimit=4")
+
+    # The requeued run resumes and finishes.
+    fields, cancelled = slurm.wait(job_id, deadline=150)
+    job = Job(id=job_id, command=f"sbatch {variant}", output=out / "job.out",
+              state=fields.get("JobState", "UNKNOWN"), exit_code=fields.get("ExitCode", ""),
+              reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
+              cancelled=cancelled, fields=fields, daemon_log=slurm.daemon_lines(job_id))
+    assert job.completed and fields.get("Restarts") == "1", job.describe()
+    log = job.log
+    assert "restart count 0" in log and "restart count 1" in log, job.describe()
+    assert "Handling auto-requeue signal: 10" in log, job.describe()
+    assert f"Restored all states from the checkpoint at {saved[-1]}" in log, job.describe()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == interrupted_at + 5, job.describe()
+    assert len(summary["loss_history"]) == interrupted_at + 5  # the history survived
+    assert f"step {interrupted_at + 5} loss" in log.split("restart count 1")[1], job.describe()
