@@ -242,16 +242,13 @@ def test_python_errors_finds_argparse_messages_and_exceptions():
 # ------------------------------------------------------------- Lightning: requeue at the time limit
 def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_finishes(
         slurm, tmp_path, text_dir, job_env):
-    """Lit_training.sbatch with a 2-minute limit and SIGUSR1 50 s before it. slurmctld checks
-    time limits every 30 s and may send the signal up to 30 s early, so it comes 40-70 s after
-    the start (earlier, before Lightning has set its handler, it would kill the processes).
-    Lightning saves OUT_DIR/hpc_ckpt_N.ckpt and runs `scontrol requeue`; the job starts again
-    with the same id and OUT_DIR and resumes from that checkpoint.
-
-    One training process (one node, NPROC_PER_NODE=1): with two or more, Lightning's handler
-    saves its checkpoint (a collective) from inside the signal handler, at a different point on
-    every rank, and the job hangs until the time limit (measured on this cluster; see
-    docs/reliability.md and Lightning-AI/pytorch-lightning#21406).
+    """Lit_training.sbatch on 2 nodes (one process each) with a 2-minute limit and SIGUSR1 50 s
+    before it. slurmctld checks time limits every 30 s and may send the signal up to 30 s early,
+    so it comes 40-70 s after the start (earlier, before the script has set its handler, it
+    would kill the processes). The script saves OUT_DIR/hpc_ckpt_N.ckpt on every rank at the end
+    of a step and runs `scontrol requeue`; the job starts again with the same id and OUT_DIR
+    and Lightning resumes from that checkpoint. (Lightning's own auto_requeue hung here with
+    two processes: see RequeueAtTimeLimit in train/Lit_training.py.)
     Two interventions keep the test short and deterministic, both only on the requeued job
     while it waits: Slurm holds a requeued job for 120 s (Reason=BeginTime), lifted with
     StartTime=now, and its limit is raised to 4 minutes so that it is not signalled again; its
@@ -272,7 +269,7 @@ def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_fin
     job_id = slurm.submit(
         variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
         "--out-dir", out, "--max-steps", "100000000", output=out / "job.out",
-        sbatch_options=["--nodes=1", "--time=2", "--signal=SIGUSR1@50"],
+        sbatch_options=["--nodes=2", "--time=2", "--signal=SIGUSR1@50"],
         env={**job_env, "OUT_DIR": out, "NPROC_PER_NODE": 1})
 
     # The first run: wait for the requeue (the job waits again, with one restart).
@@ -303,7 +300,9 @@ def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_fin
     assert job.completed and fields.get("Restarts") == "1", job.describe()
     log = job.log
     assert "restart count 0" in log and "restart count 1" in log, job.describe()
-    assert "Handling auto-requeue signal: 10" in log, job.describe()
+    assert (f"SIGUSR1 before the time limit: saved {saved[-1]} at step {interrupted_at}, "
+            f"requeueing job {job_id}") in log, job.describe()
+    assert len(job.setup_lines()) == 4, job.describe()  # 2 processes, each run
     assert f"Restored all states from the checkpoint at {saved[-1]}" in log, job.describe()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == interrupted_at + 5, job.describe()
