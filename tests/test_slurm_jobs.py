@@ -268,7 +268,8 @@ def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_fin
         'if [ -f "$OUT_DIR/more_args" ]; then ARGS+=($(cat "$OUT_DIR/more_args")); fi\n')))
     job_id = slurm.submit(
         variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
-        "--out-dir", out, "--max-steps", "100000000", output=out / "job.out",
+        "--out-dir", out, "--max-steps", "100000000", "--epochs", "100000",  # until signalled
+        output=out / "job.out",
         sbatch_options=["--nodes=2", "--time=2", "--signal=SIGUSR1@50"],
         env={**job_env, "OUT_DIR": out, "NPROC_PER_NODE": 1})
 
