@@ -264,7 +264,8 @@ def test_loading_a_checkpoint_of_another_model_fails_with_one_line_naming_the_di
         saved_at_2_ranks):
     from utils.distributed_utils import CheckpointError, load_sharded_model
     cfg = get_config("tiny", **CFG, d_ff=128)
-    with pytest.raises(CheckpointError, match=r"another model: d_ff 256 \(checkpoint\) vs 128 \(now\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"another model: d_ff 256 \(checkpoint\) vs 128 \(now\)"):
         load_sharded_model(TransformerLM(cfg), None, saved_at_2_ranks[0], cfg.to_dict())
 
 

@@ -235,7 +235,8 @@ def main():
     trainer = L.Trainer(
         **settings, max_epochs=args.epochs, max_steps=args.max_steps or -1,
         default_root_dir=out_dir,  # where a requeued job finds its checkpoint (hpc_ckpt_*.ckpt)
-        logger=logger, log_every_n_steps=args.log_every, callbacks=[course_log, checkpoints, *requeue],
+        logger=logger, log_every_n_steps=args.log_every,
+        callbacks=[course_log, checkpoints, *requeue],
         use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)
         num_sanity_val_steps=0, enable_progress_bar=False)
 

@@ -99,9 +99,10 @@ def parse_args():
     #| exercise
     #| solution
     parser.add_argument("--resume", metavar="DIR|auto",
-                        help="continue from this checkpoint folder (e.g. OUT_DIR/checkpoints/last), "
-                             "or auto: from the newest complete checkpoint in OUT_DIR/checkpoints "
-                             "if there is one. A run restarted by torchrun or Slurm always does auto")
+                        help="continue from this checkpoint folder (e.g. "
+                             "OUT_DIR/checkpoints/last), or auto: from the newest complete "
+                             "checkpoint in OUT_DIR/checkpoints if there is one. A run restarted "
+                             "by torchrun or Slurm always does auto")
     #| end
     return parser.parse_args()
 

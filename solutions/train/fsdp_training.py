@@ -83,9 +83,10 @@ def parse_args():
                              "each epoch and at --max-steps)")
     # DONE 21: Resuming. --resume takes a checkpoint folder that this script wrote, or "auto".
     parser.add_argument("--resume", metavar="DIR|auto",
-                        help="continue from this checkpoint folder (e.g. OUT_DIR/checkpoints/last), "
-                             "or auto: from the newest complete checkpoint in OUT_DIR/checkpoints "
-                             "if there is one. A run restarted by torchrun or Slurm always does auto")
+                        help="continue from this checkpoint folder (e.g. "
+                             "OUT_DIR/checkpoints/last), or auto: from the newest complete "
+                             "checkpoint in OUT_DIR/checkpoints if there is one. A run restarted "
+                             "by torchrun or Slurm always does auto")
     return parser.parse_args()
 
 
