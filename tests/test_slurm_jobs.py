@@ -309,3 +309,56 @@ def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_fin
     assert summary["steps"] == interrupted_at + 5, job.describe()
     assert len(summary["loss_history"]) == interrupted_at + 5  # the history survived
     assert f"step {interrupted_at + 5} loss" in log.split("restart count 1")[1], job.describe()
+
+
+# ------------------------------------------------------------- FSDP: a requeued job resumes by itself
+def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
+        slurm, tmp_path, text_dir, job_env):
+    """fsdp_training.sbatch on 2 nodes x 2 processes, requeued (`scontrol requeue`, as an admin
+    or a node failure would) once it has written a checkpoint. The job starts again with the
+    same id, OUT_DIR and SLURM_RESTART_COUNT=1, and the script continues from the newest
+    checkpoint without --resume. As in the Lightning test, the requeue hold is lifted and the
+    requeued run's --max-steps comes from a file the test writes while it waits."""
+    if not (ROOT / "solutions/fsdp_training.sbatch").is_file():
+        pytest.skip("solutions/fsdp_training.sbatch is not in this checkout yet")
+    import time
+    out = tmp_path / "run"
+    out.mkdir()
+    text = (ROOT / "solutions/fsdp_training.sbatch").read_text()
+    args_line = 'ARGS=(--dataset wikitext-2 --preset workshop --out-dir "$OUT_DIR" "$@")\n'
+    assert args_line in text
+    variant = tmp_path / "fsdp_training.sbatch"
+    variant.write_text(text.replace(args_line, args_line + (
+        'if [ -f "$OUT_DIR/more_args" ]; then ARGS+=($(cat "$OUT_DIR/more_args")); fi\n')))
+    job_id = slurm.submit(
+        variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
+        "--out-dir", out, "--max-steps", "100000000", "--epochs", "100000",
+        "--checkpoint-every", "3", output=out / "job.out", sbatch_options=["--nodes=2"],
+        env={**job_env, "OUT_DIR": out})
+    last = out / "checkpoints" / "last"
+    deadline = time.monotonic() + 120
+    while not (last / "train_state.json").is_file():
+        fields = slurm.job_fields(job_id) or {}
+        if fields.get("JobState") in FINAL_STATES or time.monotonic() > deadline:
+            slurm.run("scancel", job_id, check=False)
+            pytest.fail(f"job {job_id} wrote no checkpoint: {fields.get('JobState')}\n"
+                        f"{(out / 'job.out').read_text(errors='replace')[-4000:]}")
+        time.sleep(0.5)
+    slurm.run("scontrol", "requeue", job_id)
+    while (slurm.job_fields(job_id) or {}).get("JobState") != "PENDING":
+        time.sleep(0.5)
+    from utils.distributed_utils import latest_checkpoint, read_train_state
+    newest = latest_checkpoint(out / "checkpoints")
+    step = read_train_state(newest)["step"]
+    (out / "more_args").write_text(f"--max-steps {step + 2}\n")
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    fields, cancelled = slurm.wait(job_id, deadline=150)
+    job = Job(id=job_id, command=f"sbatch --nodes=2 {variant}", output=out / "job.out",
+              state=fields.get("JobState", "UNKNOWN"), exit_code=fields.get("ExitCode", ""),
+              reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
+              cancelled=cancelled, fields=fields, daemon_log=slurm.daemon_lines(job_id))
+    assert job.completed and fields.get("Restarts") == "1", job.describe()
+    assert (f"Slurm restart 1: continuing from the newest complete checkpoint {newest} "
+            f"(step {step})") in job.log, job.describe()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == step + 2 and len(summary["loss_history"]) == step + 2
