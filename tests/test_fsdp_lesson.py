@@ -243,6 +243,9 @@ def test_training_continues_identically_after_loading_at_1_and_at_3_ranks(
     _, _, loss1, model1 = loaded_at_1_and_3_ranks[1]
     _, _, loss3, model3 = loaded_at_1_and_3_ranks[3]
     torch.testing.assert_close(loss3, loss1, atol=1e-6, rtol=0)
+    # 1e-4 as for every AdamW step (module docstring): k_proj.bias has a true gradient of zero
+    # (softmax ignores a constant added to every key), so AdamW divides summation noise by
+    # noise and moves it by up to 2e-5 differently at 1 and at 3 ranks.
     assert_same(model3, model1, atol=1e-4)
 
 
@@ -259,9 +262,10 @@ def test_a_checkpoint_loads_into_a_plain_model_without_a_process_group(saved_at_
 
 def test_loading_a_checkpoint_of_another_model_fails_with_one_line_naming_the_difference(
         saved_at_2_ranks):
-    from utils.distributed_utils import load_sharded_model
+    from utils.distributed_utils import CheckpointError, load_sharded_model
     cfg = get_config("tiny", **CFG, d_ff=128)
-    with pytest.raises(ValueError, match=r"another model: d_ff 256 \(checkpoint\) vs 128 \(now\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"another model: d_ff 256 \(checkpoint\) vs 128 \(now\)"):
         load_sharded_model(TransformerLM(cfg), None, saved_at_2_ranks[0], cfg.to_dict())
 
 
@@ -294,7 +298,7 @@ def interrupted_save(rank, world_size, ckpt):
     def fail_on_rank_1(self, plan, planner):
         if rank == 1:  # this rank's shard file is written, then the job "dies"
             write_data(self, plan, planner).wait()
-            raise OSError("disk quota exceeded")
+            raise OSError("stale file handle")
         return write_data(self, plan, planner)
 
     FileSystemWriter.write_data = fail_on_rank_1
@@ -302,7 +306,7 @@ def interrupted_save(rank, world_size, ckpt):
         save_sharded_model(model, optimizer, ckpt, {"step": 2})
         failed = False
     except CheckpointException as e:  # DCP reports rank 1's error on every rank
-        failed = "disk quota exceeded" in str(e)
+        failed = "stale file handle" in str(e)
     finally:
         FileSystemWriter.write_data = write_data
 
@@ -375,13 +379,18 @@ def test_stopping_and_resuming_gives_the_losses_and_weights_of_an_uninterrupted_
                 torch.load(tmp / "fsdp" / "final_model.pt", weights_only=True), atol=1e-4)
 
 
-def test_resuming_with_another_global_batch_fails_with_one_line_saying_what_to_change(runs):
+@pytest.mark.parametrize("batch_size", [5, 16])  # 16 divides the 48 samples trained on: refused too
+def test_resuming_with_another_global_batch_fails_with_one_line_saying_what_to_change(
+        runs, batch_size):
     tmp, env = runs
-    proc = run_script(SOLUTION, *COMMON, "--max-steps", 6, "--batch-size", 5,
+    proc = run_script(SOLUTION, *COMMON, "--max-steps", 6, "--batch-size", batch_size,
                       "--out-dir", tmp / "bad", "--resume", tmp / "fsdp" / "checkpoints" / "last",
                       env=env, timeout=TIMEOUT, check=False)
     assert proc.returncode != 0
-    assert "use --batch-size x ranks = 8" in proc.stderr.strip().splitlines()[-1]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: --resume: the checkpoint was trained with a global batch of 8 sequences, this "
+        f"run has {batch_size}: use --batch-size x ranks = 8 (or start a new run without --resume)")
+    assert not (tmp / "bad" / "summary.json").exists()
 
 
 def test_the_exercise_as_shipped_trains_with_ddp_and_holds_twice_the_state_per_rank(runs):

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "slurm"))
-from slurm_cluster import Cluster, ClusterUnavailable, Job, python_errors  # noqa: E402
+from slurm_cluster import (FINAL_STATES, Cluster, ClusterUnavailable, Job,  # noqa: E402
+                           python_errors)
 
 # A job may wait in the queue for another session's jobs (see Cluster.pending_limit).
 pytestmark = [pytest.mark.slurm, pytest.mark.timeout(600)]
@@ -236,3 +237,128 @@ def test_python_errors_finds_argparse_messages_and_exceptions():
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:"]
     assert python_errors("/v/bin/python: can't open file '/r/t.py': [Errno 2] No such file") \
         == ["/v/bin/python: can't open file '/r/t.py': [Errno 2] No such file"]
+
+
+# ------------------------------------------------------------- Lightning: requeue at the time limit
+def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_finishes(
+        slurm, tmp_path, text_dir, job_env):
+    """Lit_training.sbatch on 2 nodes (one process each) with a 2-minute limit and SIGUSR1 50 s
+    before it. slurmctld checks time limits every 30 s and may send the signal up to 30 s early,
+    so it comes 40-70 s after the start (earlier, before the script has set its handler, it
+    would kill the processes). The script saves OUT_DIR/hpc_ckpt_N.ckpt on every rank at the end
+    of a step and runs `scontrol requeue`; the job starts again with the same id and OUT_DIR
+    and Lightning resumes from that checkpoint. (Lightning's own auto_requeue hung here with
+    two processes: see RequeueAtTimeLimit in train/Lit_training.py.)
+    Two interventions keep the test short and deterministic, both only on the requeued job
+    while it waits: Slurm holds a requeued job for 120 s (Reason=BeginTime), lifted with
+    StartTime=now, and its limit is raised to 4 minutes so that it is not signalled again; its
+    --max-steps is the interrupted step + 5 (read by the copy of the sbatch file below)."""
+    if not (ROOT / "solutions/Lit_training.sbatch").is_file():
+        pytest.skip("solutions/Lit_training.sbatch is not in this checkout yet")
+    import time
+    import torch
+    out = tmp_path / "run"
+    out.mkdir()
+    # The sbatch file as shipped, plus one line: training arguments the test adds later.
+    text = (ROOT / "solutions/Lit_training.sbatch").read_text()
+    args_line = 'ARGS=(--dataset wikitext-2 --preset workshop --out-dir "$OUT_DIR" "$@")\n'
+    assert args_line in text
+    variant = tmp_path / "Lit_training.sbatch"
+    variant.write_text(text.replace(args_line, args_line + (
+        'if [ -f "$OUT_DIR/more_args" ]; then ARGS+=($(cat "$OUT_DIR/more_args")); fi\n')))
+    job_id = slurm.submit(
+        variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
+        "--out-dir", out, "--max-steps", "100000000", "--epochs", "100000",  # until signalled
+        output=out / "job.out",
+        sbatch_options=["--nodes=2", "--time=2", "--signal=SIGUSR1@50"],
+        env={**job_env, "OUT_DIR": out, "NPROC_PER_NODE": 1})
+
+    # The first run: wait for the requeue (the job waits again, with one restart).
+    deadline = time.monotonic() + 150
+    while True:
+        fields = slurm.job_fields(job_id) or {}
+        if fields.get("JobState") == "PENDING" and fields.get("Restarts") == "1":
+            break
+        if fields.get("JobState") in FINAL_STATES or time.monotonic() > deadline:
+            slurm.run("scancel", job_id, check=False)
+            log = (out / "job.out").read_text(errors="replace")
+            pytest.fail(f"job {job_id} was not requeued: {fields.get('JobState')} "
+                        f"(Reason={fields.get('Reason')})\n{log[-4000:]}")
+        time.sleep(1)
+    saved = sorted(out.glob("hpc_ckpt_*.ckpt"), key=lambda p: int(p.stem.split("_")[-1]))
+    assert saved, f"no hpc_ckpt_N.ckpt in {out}"
+    interrupted_at = torch.load(saved[-1], weights_only=True, map_location="cpu")["global_step"]
+    assert interrupted_at > 0
+    (out / "more_args").write_text(f"--max-steps {interrupted_at + 5}\n")
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", "TimeLimit=4")
+
+    # The requeued run resumes and finishes.
+    fields, cancelled = slurm.wait(job_id, deadline=150)
+    job = Job(id=job_id, command=f"sbatch {variant}", output=out / "job.out",
+              state=fields.get("JobState", "UNKNOWN"), exit_code=fields.get("ExitCode", ""),
+              reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
+              cancelled=cancelled, fields=fields, daemon_log=slurm.daemon_lines(job_id))
+    assert job.completed and fields.get("Restarts") == "1", job.describe()
+    log = job.log
+    assert "restart count 0" in log and "restart count 1" in log, job.describe()
+    assert (f"SIGUSR1 before the time limit: saved {saved[-1]} at step {interrupted_at}, "
+            f"requeueing job {job_id}") in log, job.describe()
+    assert len(job.setup_lines()) == 4, job.describe()  # 2 processes, each run
+    assert f"Restored all states from the checkpoint at {saved[-1]}" in log, job.describe()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == interrupted_at + 5, job.describe()
+    assert len(summary["loss_history"]) == interrupted_at + 5  # the history survived
+    assert f"step {interrupted_at + 5} loss" in log.split("restart count 1")[1], job.describe()
+
+
+# ------------------------------------------------------------- FSDP: a requeued job resumes by itself
+def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
+        slurm, tmp_path, text_dir, job_env):
+    """fsdp_training.sbatch on 2 nodes x 2 processes, requeued (`scontrol requeue`, as an admin
+    or a node failure would) once it has written a checkpoint. The job starts again with the
+    same id, OUT_DIR and SLURM_RESTART_COUNT=1, and the script continues from the newest
+    checkpoint without --resume. As in the Lightning test, the requeue hold is lifted and the
+    requeued run's --max-steps comes from a file the test writes while it waits."""
+    if not (ROOT / "solutions/fsdp_training.sbatch").is_file():
+        pytest.skip("solutions/fsdp_training.sbatch is not in this checkout yet")
+    import time
+    out = tmp_path / "run"
+    out.mkdir()
+    text = (ROOT / "solutions/fsdp_training.sbatch").read_text()
+    args_line = 'ARGS=(--dataset wikitext-2 --preset workshop --out-dir "$OUT_DIR" "$@")\n'
+    assert args_line in text
+    variant = tmp_path / "fsdp_training.sbatch"
+    variant.write_text(text.replace(args_line, args_line + (
+        'if [ -f "$OUT_DIR/more_args" ]; then ARGS+=($(cat "$OUT_DIR/more_args")); fi\n')))
+    job_id = slurm.submit(
+        variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
+        "--out-dir", out, "--max-steps", "100000000", "--epochs", "100000",
+        "--checkpoint-every", "3", output=out / "job.out", sbatch_options=["--nodes=2"],
+        env={**job_env, "OUT_DIR": out})
+    last = out / "checkpoints" / "last"
+    deadline = time.monotonic() + 120
+    while not (last / "train_state.json").is_file():
+        fields = slurm.job_fields(job_id) or {}
+        if fields.get("JobState") in FINAL_STATES or time.monotonic() > deadline:
+            slurm.run("scancel", job_id, check=False)
+            pytest.fail(f"job {job_id} wrote no checkpoint: {fields.get('JobState')}\n"
+                        f"{(out / 'job.out').read_text(errors='replace')[-4000:]}")
+        time.sleep(0.5)
+    slurm.run("scontrol", "requeue", job_id)
+    while (slurm.job_fields(job_id) or {}).get("JobState") != "PENDING":
+        time.sleep(0.5)
+    from utils.distributed_utils import latest_checkpoint, read_train_state
+    newest = latest_checkpoint(out / "checkpoints")
+    step = read_train_state(newest)["step"]
+    (out / "more_args").write_text(f"--max-steps {step + 2}\n")
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+    fields, cancelled = slurm.wait(job_id, deadline=150)
+    job = Job(id=job_id, command=f"sbatch --nodes=2 {variant}", output=out / "job.out",
+              state=fields.get("JobState", "UNKNOWN"), exit_code=fields.get("ExitCode", ""),
+              reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
+              cancelled=cancelled, fields=fields, daemon_log=slurm.daemon_lines(job_id))
+    assert job.completed and fields.get("Restarts") == "1", job.describe()
+    assert (f"Slurm restart 1: continuing from the newest complete checkpoint {newest} "
+            f"(step {step})") in job.log, job.describe()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == step + 2 and len(summary["loss_history"]) == step + 2

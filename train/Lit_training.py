@@ -15,7 +15,9 @@ is one training process, and the nodes and processes per node come from the job.
 """
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 import warnings
@@ -90,9 +92,10 @@ def trainer_settings(args) -> dict:
     layout = slurm_layout()
     if layout is not None:
         num_nodes, devices = layout
-        # SIGUSR1 (sbatch --signal=SIGUSR1@90) before the time limit: Lightning saves a
-        # checkpoint in default_root_dir and requeues the job, which resumes from it.
-        plugins = [SLURMEnvironment(auto_requeue=True)]
+        # SIGUSR1 (sbatch --signal=SIGUSR1@90) before the time limit: RequeueAtTimeLimit saves
+        # a checkpoint in default_root_dir and requeues the job, which resumes from it.
+        # (Not Lightning's own auto_requeue: see RequeueAtTimeLimit.)
+        plugins = [SLURMEnvironment(auto_requeue=False)]
     else:
         use_gpu = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
         num_nodes, devices, plugins = 1, (torch.cuda.device_count() if use_gpu else 2), []
@@ -116,6 +119,40 @@ def apply_fsdp(model, device_mesh) -> None:
     for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+
+
+class RequeueAtTimeLimit(Callback):
+    """SIGUSR1 before the Slurm time limit: save OUT_DIR/hpc_ckpt_N.ckpt and requeue the job,
+    which starts again with the same job id and OUT_DIR, and Lightning resumes from that file.
+
+    Lightning's SLURMEnvironment(auto_requeue=True) does the same from inside the signal
+    handler, which each rank runs at another point of its step: with two or more ranks the
+    checkpoint's collectives meet the step's and the job hangs until its time limit (measured
+    on a real Slurm, see docs/reliability.md; Lightning-AI/pytorch-lightning#21406). Here the
+    handler only notes the signal; after every step the ranks agree whether any got it, then
+    all save together, and rank 0 runs `scontrol requeue` (Slurm then ends this run).
+    """
+
+    def __init__(self):
+        self.signalled = False
+
+    def on_fit_start(self, trainer, pl_module):
+        signal.signal(signal.SIGUSR1, self._note)
+
+    def _note(self, signum, frame):
+        self.signalled = True  # (DataLoader workers inherit this handler: harmless)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if not trainer.strategy.reduce_boolean_decision(self.signalled, all=False):
+            return
+        self.signalled = False
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            job = os.environ["SLURM_JOB_ID"]
+            print(f"SIGUSR1 before the time limit: saved {path} at step {trainer.global_step}, "
+                  f"requeueing job {job}", flush=True)
+            subprocess.run(["scontrol", "requeue", job], check=False)
 
 
 class CourseLog(Callback):
@@ -206,6 +243,7 @@ def main():
     else:
         logger = False
     course_log = CourseLog(args.log_every)
+    requeue = [RequeueAtTimeLimit()] if settings["plugins"] else []  # under srun only
     # Checkpoints by Lightning: the best validation loss and the last state (with the optimizer).
     checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor="val/loss", mode="min",
                                   save_last=True)
@@ -213,7 +251,8 @@ def main():
         **settings, max_epochs=args.epochs,
         max_steps=-1 if args.max_steps is None else args.max_steps,
         default_root_dir=out_dir,  # where a requeued job finds its checkpoint (hpc_ckpt_*.ckpt)
-        logger=logger, log_every_n_steps=args.log_every, callbacks=[course_log, checkpoints],
+        logger=logger, log_every_n_steps=args.log_every,
+        callbacks=[course_log, checkpoints, *requeue],
         use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)
         num_sanity_val_steps=0, enable_progress_bar=False)
 

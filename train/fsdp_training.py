@@ -14,6 +14,11 @@ Run it (the same commands before and after the TODOs; compare the "memory per ra
 When the TODOs are done, continue a run from its last checkpoint (at any number of ranks):
     torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 100 \\
         --resume runs/fsdp_training/checkpoints/last
+A run restarted by torchrun (a rank died, --max-restarts) or by Slurm (a requeued job) continues
+from its newest checkpoint by itself (--resume auto); --checkpoint-every bounds the steps lost:
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # or restarted workers may hang (pytorch#135712)
+    torchrun --standalone --nproc_per_node=2 --max-restarts 1 train/fsdp_training.py \\
+        --preset tiny --max-steps 100 --checkpoint-every 10
 """
 
 import itertools
@@ -35,8 +40,9 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      gather_per_rank, print0, setup)
-# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy, and the checkpoint helpers
-# save_sharded_model, load_sharded_model and save_full_model. DDP and save0 are no longer needed.
+# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy, the checkpoint helpers
+# save_sharded_model, load_sharded_model and save_full_model, and from utils.checkpointing the
+# resume bookkeeping resume_checkpoint and resume_position. DDP and save0 are no longer needed.
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
 
@@ -53,7 +59,7 @@ def parse_args():
     parser = base_parser(__file__, __doc__)
     # TODO 18: The options of apply_fsdp.
     # TODO 20: How often to save checkpoints.
-    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote.
+    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote, or "auto".
     return parser.parse_args()
 
 
@@ -105,14 +111,21 @@ def main():
     throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     start_epoch, start_batch = 0, 0
-    # TODO 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
-    # into one folder. Keep what resuming needs next to the weights: counters, the position in
-    # the data, and the model configuration (so a checkpoint of another model is refused).
+    # TODO 20: Save sharded checkpoints: define save_checkpoint(name, epoch, batches_done) that
+    # calls save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, train_state) on
+    # every rank (each writes its own shards into that one folder). train_state is a dict of
+    # what resuming needs besides the weights, written as JSON: step, epoch, batches_done (of
+    # this epoch), global_batch, best_val, loss_history (as floats) and model_config
+    # (cfg.to_dict(), so a checkpoint of another model is refused).
 
-    # TODO 21: Resume: load model and optimizer shards (the checkpoint may come from another world
-    # size: DCP reshards at load time), then the counters and the position in the data, so the
-    # run continues exactly where the checkpoint was taken. The position is stored in samples,
-    # so it carries over to any world size with the same global batch.
+    # TODO 21: Resume. resume_checkpoint(args.resume, out_dir / "checkpoints") gives the folder
+    # to load, or None (it turns "auto", and any torchrun or Slurm restart, into the newest
+    # complete checkpoint). Then on every rank, after wrapping the model and making the
+    # optimizer: train_state = load_sharded_model(model, optimizer, folder, cfg.to_dict())
+    # loads this rank's shards (a checkpoint of another world size is resharded at load time),
+    # and resume_position(train_state, global_batch, len(train_loader), args.max_steps) gives
+    # step, start_epoch and start_batch to continue from; best_val and loss_history (as
+    # tensors) come back from train_state too.
 
     for epoch in range(start_epoch, args.epochs):
         # Tell the sampler the epoch, or every epoch repeats the first epoch's order.

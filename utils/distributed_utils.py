@@ -187,7 +187,29 @@ def destroy_process_group() -> None:
 # ---------------------------------------------------------------------------------------------
 # Checkpoints of sharded models (FSDP, tensor parallelism): Distributed Checkpoint (DCP)
 
+# (imports of this section only)
+import errno  # noqa: E402
+import sys  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
 TRAIN_STATE_FILE = "train_state.json"
+
+
+class CheckpointError(SystemExit):
+    """A checkpoint that cannot be saved or loaded, with one line that says what to do instead.
+
+    A SystemExit: a script that does not catch it ends with status 1 and that line, not with a
+    traceback of DCP's internals. Raise it on every rank at the same point (none may be left
+    waiting in a collective): rank 0 prints the line, then all ranks wait for each other, so
+    no rank exits (and makes torchrun stop the others) before the line is out.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.code = 1
+        if is_root_process():
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        barrier()
 
 
 class AppState(Stateful):
@@ -219,31 +241,155 @@ def _sibling(path: Path, tag: str) -> Path:
     return path.parent / f".{path.name}.{tag}"
 
 
+def _from_root(obj):
+    """Rank 0's `obj` on every rank (a collective; the object itself without a group)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _out_of_space(error: BaseException) -> bool:
+    """A full disk or quota, however it surfaced: OSError ENOSPC/EDQUOT from a file write, or
+    torch.save's "inline_container.cc: unexpected pos" (a short write), possibly inside DCP's
+    CheckpointException, which carries every failed rank's exception."""
+    errors = [error]
+    if isinstance(error, CheckpointException):
+        errors += [failure[0] if isinstance(failure, tuple) else failure
+                   for failure in error.failures.values()]
+    for e in errors:
+        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(s in str(e) for s in ("No space left on device", "Disk quota exceeded",
+                                     "unexpected pos")):
+            return True
+    return False
+
+
+def _checkpoint_mib(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                    ) -> float:
+    """About how many MiB a checkpoint of model and optimizer takes: the size of the previous
+    one if there is one, else the tensors of all ranks' shards."""
+    for folder in (path, _sibling(path, "old")):
+        if folder.is_dir():
+            return sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+    tensors = list(model.state_dict().values())
+    if optimizer is not None:
+        tensors += [v for s in optimizer.state.values() for v in s.values()
+                    if isinstance(v, torch.Tensor)]
+    local = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
+                for t in tensors)
+    return all_reduce_sum(torch.tensor(float(local), dtype=torch.float64)).item() / 2**20
+
+
 def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                        path: str | os.PathLike, train_state: dict | None = None) -> Path:
     """Write a DCP checkpoint folder: every rank writes its own shards, in parallel.
 
     Call it on every rank, with the same `path` on a file system all ranks share. The folder
     appears only when complete: DCP writes into .NAME.partial next to it, rank 0 adds
-    train_state.json (step, epoch, model configuration: anything JSON), then renames it into
-    place. An interrupted save leaves the previous checkpoint untouched. (A crash between the
-    two renames below leaves it as .NAME.old: rename that back.)
+    train_state.json (step, epoch, model configuration: anything JSON), then renames the old
+    folder to .NAME.old, .NAME.partial to NAME, and deletes .NAME.old. A save that fails leaves
+    the previous checkpoint untouched and deletes .NAME.partial; a full disk ends the run with
+    one line (CheckpointError). A crash between the two renames leaves the previous checkpoint
+    as .NAME.old: load_sharded_model and latest_checkpoint use it, the next save deletes it.
     """
     path = Path(path)
     partial, old = _sibling(path, "partial"), _sibling(path, "old")
     if is_root_process():
         shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
+        if path.exists():  # NAME is complete: an .NAME.old beside it is a leftover too
+            shutil.rmtree(old, ignore_errors=True)
         partial.mkdir(parents=True)
     barrier()
-    dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=partial)
+    failure = None
+    try:
+        dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=partial)
+    except CheckpointException as e:  # DCP reports any rank's failure on every rank
+        failure = e
+    if failure is None:
+        finished = None
+        if is_root_process():
+            try:
+                (partial / TRAIN_STATE_FILE).write_text(json.dumps(train_state or {}, indent=1)
+                                                        + "\n")
+                if path.exists():
+                    os.replace(path, old)
+                os.replace(partial, path)
+                shutil.rmtree(old, ignore_errors=True)
+            except OSError as e:
+                failure = finished = e
+        finished = _from_root(finished)  # the other ranks learn whether rank 0 could finish
+        if finished is not None and failure is None:
+            failure = OSError(f"rank 0 could not finish saving {path}: {finished}")
+            failure.errno = finished.errno
+    if failure is None:
+        barrier()  # nobody reads `path` before it is complete
+        return path
     if is_root_process():
-        (partial / TRAIN_STATE_FILE).write_text(json.dumps(train_state or {}, indent=1) + "\n")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(partial, path)
-        shutil.rmtree(old, ignore_errors=True)
-    barrier()  # nobody reads `path` before it is complete
-    return path
+        shutil.rmtree(partial, ignore_errors=True)
+    barrier()
+    if _out_of_space(failure):
+        size = _checkpoint_mib(path, model, optimizer)
+        free = shutil.disk_usage(path.parent).free / 2**20
+        raise CheckpointError(
+            f"no space left on device while saving {path}: free {max(size - free, 0.1):.1f} MiB "
+            f"there (a checkpoint takes about {size:.1f} MiB, {free:.1f} MiB are free) or "
+            "choose another --out-dir") from failure
+    raise failure
+
+
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` is not a complete checkpoint written by save_sharded_model; None if it is.
+
+    Cheap checks only, the same on every rank: train_state.json and DCP's .metadata can be
+    read, and every shard file the metadata names exists and is long enough.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return "there is no such folder"
+    if not (path / TRAIN_STATE_FILE).is_file():
+        return f"it has no {TRAIN_STATE_FILE}, so save_sharded_model did not write it"
+    try:
+        json.loads((path / TRAIN_STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return f"its {TRAIN_STATE_FILE} is unreadable"
+    if not (path / ".metadata").is_file():
+        return "its .metadata file is missing"
+    try:
+        metadata = dcp.FileSystemReader(path).read_metadata()
+    except Exception:
+        return "its .metadata file is truncated or damaged"
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
+                                         info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        if not (path / name).is_file():
+            return f"its shard file {name} is missing"
+        if (path / name).stat().st_size < size:
+            return f"its shard file {name} is truncated"
+    return None
+
+
+def latest_checkpoint(folder: str | os.PathLike, exclude: str | os.PathLike | None = None
+                      ) -> Path | None:
+    """The complete checkpoint with the highest step in `folder` (OUT_DIR/checkpoints), or None.
+
+    Looks at every checkpoint folder there (last, best, and .NAME.old left by a save that
+    crashed between its two renames); skips damaged ones, .NAME.partial and `exclude`.
+    At the same step it prefers `last`.
+    """
+    folder = Path(folder)
+    found = []
+    for sub in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if sub.name.endswith(".partial") or (exclude and sub == Path(exclude)):
+            continue
+        if checkpoint_problem(sub) is None:
+            step = read_train_state(sub).get("step", 0)
+            found.append((step, not sub.name.startswith("."), sub.name == "last", sub))
+    return max(found)[-1] if found else None
 
 
 def read_train_state(path: str | os.PathLike) -> dict:
@@ -255,25 +401,51 @@ def read_train_state(path: str | os.PathLike) -> dict:
     return json.loads((path / TRAIN_STATE_FILE).read_text())
 
 
+def usable_checkpoint(path: str | os.PathLike) -> Path:
+    """`path` if it is a complete checkpoint; its .NAME.old if a save crashed between its two
+    renames (NAME gone, the previous checkpoint complete under the other name). Otherwise one
+    line (CheckpointError) naming the problem and the checkpoint to use instead."""
+    path = Path(path)
+    problem = checkpoint_problem(path)
+    if problem is None:
+        return path
+    old = _sibling(path, "old")
+    if not path.exists() and checkpoint_problem(old) is None:
+        print0(f"checkpoint {path} is missing: a save stopped between its two renames; "
+               f"loading the previous checkpoint {old}")
+        return old
+    other = latest_checkpoint(path.parent, exclude=path)
+    instead = (f"resume from {other} (step {read_train_state(other).get('step')}) instead"
+               if other else "start again without --resume")
+    raise CheckpointError(f"checkpoint {path} cannot be loaded: {problem}; {instead}")
+
+
 def load_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                        path: str | os.PathLike, model_config: dict | None = None) -> dict:
     """Load a checkpoint written by save_sharded_model into `model` (and `optimizer`).
 
     Call it on every rank, after wrapping the model and making the optimizer. The world size
     may differ from the one that saved: each rank reads the pieces of the files that overlap
-    its own shards. Returns the checkpoint's train_state. With `model_config`, a checkpoint of
-    another model fails with one line naming the differences, before any tensor is read.
+    its own shards. Returns the checkpoint's train_state. A damaged checkpoint, or with
+    `model_config` a checkpoint of another model, ends the run with one line (CheckpointError)
+    before any tensor is read.
     """
-    path = Path(path)
+    path = usable_checkpoint(path)
     train_state = read_train_state(path)
     saved = train_state.get("model_config")
     if model_config is not None and saved is not None and saved != model_config:
         diff = ", ".join(f"{k} {saved.get(k)} (checkpoint) vs {model_config.get(k)} (now)"
                          for k in sorted(set(saved) | set(model_config))
                          if saved.get(k) != model_config.get(k))
-        raise ValueError(f"checkpoint {path} was written for another model: {diff}; use the "
-                         "--preset, --seq-len and data of the run that wrote it")
-    dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=path)
+        raise CheckpointError(f"checkpoint {path} was written for another model: {diff}; use "
+                              "the --preset, --seq-len and data of the run that wrote it")
+    try:
+        dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=path)
+    except CheckpointException as e:  # damage the checks above cannot see (every rank gets it)
+        first = next(iter(e.failures.values()))
+        first = first[0] if isinstance(first, tuple) else first
+        raise CheckpointError(f"checkpoint {path} cannot be loaded: "
+                              f"{type(first).__name__}: {str(first).splitlines()[0]}") from e
     return train_state
 
 

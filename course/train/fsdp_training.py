@@ -14,6 +14,11 @@ Run it (the same commands before and after the TODOs; compare the "memory per ra
 When the TODOs are done, continue a run from its last checkpoint (at any number of ranks):
     torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 100 \\
         --resume runs/fsdp_training/checkpoints/last
+A run restarted by torchrun (a rank died, --max-restarts) or by Slurm (a requeued job) continues
+from its newest checkpoint by itself (--resume auto); --checkpoint-every bounds the steps lost:
+    export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # or restarted workers may hang (pytorch#135712)
+    torchrun --standalone --nproc_per_node=2 --max-restarts 1 train/fsdp_training.py \\
+        --preset tiny --max-steps 100 --checkpoint-every 10
 """
 
 import itertools
@@ -35,13 +40,15 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      gather_per_rank, print0, setup)
-# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy, and the checkpoint helpers
-# save_sharded_model, load_sharded_model and save_full_model. DDP and save0 are no longer needed.
+# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy, the checkpoint helpers
+# save_sharded_model, load_sharded_model and save_full_model, and from utils.checkpointing the
+# resume bookkeeping resume_checkpoint and resume_position. DDP and save0 are no longer needed.
 #| exercise
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
 #| solution
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from utils.checkpointing import resume_checkpoint, resume_position
 from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model
 #| end
 
@@ -89,11 +96,14 @@ def parse_args():
                         help="also save checkpoints/last every STEPS steps (0: only at the end of "
                              "each epoch and at --max-steps)")
     #| end
-    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote.
+    # TODO 21: Resuming. --resume takes a checkpoint folder that this script wrote, or "auto".
     #| exercise
     #| solution
-    parser.add_argument("--resume", metavar="DIR",
-                        help="continue from this checkpoint folder (e.g. OUT_DIR/checkpoints/last)")
+    parser.add_argument("--resume", metavar="DIR|auto",
+                        help="continue from this checkpoint folder (e.g. "
+                             "OUT_DIR/checkpoints/last), or auto: from the newest complete "
+                             "checkpoint in OUT_DIR/checkpoints if there is one. A run restarted "
+                             "by torchrun or Slurm always does auto")
     #| end
     return parser.parse_args()
 
@@ -150,41 +160,40 @@ def main():
     throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     start_epoch, start_batch = 0, 0
-    # TODO 20: Save sharded checkpoints with save_sharded_model: every rank writes its own shards
-    # into one folder. Keep what resuming needs next to the weights: counters, the position in
-    # the data, and the model configuration (so a checkpoint of another model is refused).
+    # TODO 20: Save sharded checkpoints: define save_checkpoint(name, epoch, batches_done) that
+    # calls save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, train_state) on
+    # every rank (each writes its own shards into that one folder). train_state is a dict of
+    # what resuming needs besides the weights, written as JSON: step, epoch, batches_done (of
+    # this epoch), global_batch, best_val, loss_history (as floats) and model_config
+    # (cfg.to_dict(), so a checkpoint of another model is refused).
     #| exercise
     #| solution
-    def save_checkpoint(name, epoch, batches_in_epoch):
-        save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, dict(
-            step=step, epoch=epoch, samples_in_epoch=batches_in_epoch * global_batch,
-            global_batch=global_batch, best_val=best_val, model_config=cfg.to_dict(),
-            loss_history=[loss.item() for loss in loss_history], world_size=world_size))
+    def save_checkpoint(name, epoch, batches_done):
+        train_state = dict(step=step, epoch=epoch, batches_done=batches_done,
+                           global_batch=global_batch, best_val=best_val,
+                           loss_history=[loss.item() for loss in loss_history],
+                           model_config=cfg.to_dict())
+        save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, train_state)
     #| end
 
-    # TODO 21: Resume: load model and optimizer shards (the checkpoint may come from another world
-    # size: DCP reshards at load time), then the counters and the position in the data, so the
-    # run continues exactly where the checkpoint was taken. The position is stored in samples,
-    # so it carries over to any world size with the same global batch.
+    # TODO 21: Resume. resume_checkpoint(args.resume, out_dir / "checkpoints") gives the folder
+    # to load, or None (it turns "auto", and any torchrun or Slurm restart, into the newest
+    # complete checkpoint). Then on every rank, after wrapping the model and making the
+    # optimizer: train_state = load_sharded_model(model, optimizer, folder, cfg.to_dict())
+    # loads this rank's shards (a checkpoint of another world size is resharded at load time),
+    # and resume_position(train_state, global_batch, len(train_loader), args.max_steps) gives
+    # step, start_epoch and start_batch to continue from; best_val and loss_history (as
+    # tensors) come back from train_state too.
     #| exercise
     #| solution
-    if args.resume:
-        state = load_sharded_model(model, optimizer, args.resume, cfg.to_dict())
-        step, best_val, start_epoch = state["step"], state["best_val"], state["epoch"]
-        loss_history = [torch.tensor(loss, device=device) for loss in state["loss_history"]]
-        if state["samples_in_epoch"] % global_batch:
-            raise SystemExit(f"--resume: the checkpoint stopped {state['samples_in_epoch']} "
-                             f"samples into an epoch, not a multiple of this run's global batch "
-                             f"{global_batch}: use --batch-size x ranks = {state['global_batch']}")
-        start_batch = state["samples_in_epoch"] // global_batch
-        if start_batch >= len(train_loader):  # saved at the end of an epoch
-            start_epoch, start_batch = start_epoch + 1, 0
-        if args.max_steps is not None and step > args.max_steps:
-            raise SystemExit(f"--resume: the checkpoint is at step {step}, past --max-steps "
-                             f"{args.max_steps}: raise --max-steps (or set it to {step} to only "
-                             "evaluate and export)")
-        print0(f"resumed from {args.resume} at step {step}, epoch {start_epoch}, "
-               f"batch {start_batch}")
+    resume = resume_checkpoint(args.resume, out_dir / "checkpoints")
+    if resume:
+        train_state = load_sharded_model(model, optimizer, resume, cfg.to_dict())
+        step, start_epoch, start_batch = resume_position(train_state, global_batch,
+                                                         len(train_loader), args.max_steps)
+        best_val = train_state["best_val"]
+        loss_history = [torch.tensor(loss, device=device) for loss in train_state["loss_history"]]
+        print0(f"resumed from {resume} at step {step}, epoch {start_epoch}, batch {start_batch}")
     #| end
 
     for epoch in range(start_epoch, args.epochs):
