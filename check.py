@@ -46,6 +46,9 @@ TODO_NAMES = {
     "tp": {23: "imports", 24: "apply_tp", 25: "--tp", 26: "mesh", 27: "samplers count replicas",
              28: "apply_tp call", 29: "FSDP on dp", 30: "loss_parallel", 31: "per replica",
              32: "save_full_model", 33: "evaluate"},
+    "pp": {34: "split_pipeline_stage", 35: "samplers: one replica", 36: "stage and schedules",
+           37: "schedule.step", 38: "loss from the last stage", 39: "DCP save",
+           40: "evaluation through the pipeline"},
     "sbatch": {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node", 16: "two nodes"},
 }
 NPROC = 2
@@ -259,9 +262,13 @@ def load_weights(path: Path, summary):
     import torch
     model = plain_model(summary)
     if path.is_dir():
+        import warnings
+
         import torch.distributed.checkpoint as dcp
         state = model.state_dict()
-        dcp.load(state, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(path))
     else:
         state = torch.load(path, map_location="cpu", weights_only=True)
     model.load_state_dict(state)  # strict: raises on any missing or extra key
@@ -508,8 +515,10 @@ def check_fsdp(rep, script, work, status):
 
 
 def check_tp(rep, script, work, status):
-    ref = Run(work, "reference", ROOT / "solutions/train/to_distributed_training.py", BATCH, 1)
-    run = Run(work, "yours", script, BATCH, NPROC)
+    short = ["--max-steps", "8"]  # as for PP: fewer steps, less drift from summing in another order
+    ref = Run(work, "reference", ROOT / "solutions/train/to_distributed_training.py", BATCH, 1,
+              extra=short)
+    run = Run(work, "yours", script, BATCH, NPROC, extra=short)
     ref.wait(), run.wait()
     if ref.crashed:
         raise SystemExit(f"the reference run failed: {ref.error_line()}")
@@ -547,6 +556,61 @@ def check_tp(rep, script, work, status):
                             f"{ref.summary['val_loss']:.5f}: loss_parallel, full_tensor(), and "
                             "all_reduce_sum over dp_group in evaluate()")
     check_final_weights(rep, run, ref, 32, "final_model.pt")
+
+
+def check_pp(rep, script, work, status):
+    # 8 steps: microbatches add up in another order, and over many steps Adam amplifies that
+    short = ["--max-steps", "8"]
+    ref = Run(work, "reference", ROOT / "solutions/train/to_distributed_training.py", BATCH, 1,
+              extra=short)
+    run = Run(work, "yours", script, BATCH, NPROC, extra=["--microbatches", "2", *short])
+    ref.wait(), run.wait()
+    if ref.crashed:
+        raise SystemExit(f"the reference run failed: {ref.error_line()}")
+    if run.crashed:
+        crash_report(rep, run, status, 34)
+        return
+    r0, r1 = run.ranks
+    n_layers = run.summary["model_config"]["n_layers"]
+    if (r0["layers"], r1["layers"]) == (list(range(n_layers // 2)), list(range(n_layers // 2, n_layers))) \
+            and r0["has_embedding"] and not r0["has_output"] and r1["has_output"] \
+            and not r1["has_embedding"]:
+        rep.ok(34, "rank 0 holds the embeddings and the first half of the blocks, rank 1 the "
+                   "rest and the output layer")
+    else:
+        rep.fail(34, f"rank 0 holds blocks {r0['layers']} (embedding: {r0['has_embedding']}, "
+                     f"output: {r0['has_output']}), rank 1 blocks {r1['layers']} (embedding: "
+                     f"{r1['has_embedding']}, output: {r1['has_output']}): "
+                     "model = split_pipeline_stage(model, stage_index, num_stages, "
+                     "args.layers_per_stage)")
+    check_samplers(rep, run, 35, "set_epoch", status,
+                   same_data_on_ranks="the stages read different batches: one pipeline is one "
+                   "replica, DistributedSampler(train_ds, num_replicas=1, rank=0, ...) and "
+                   "DistributedEvalSampler(ds, num_replicas=1, rank=0)", eval_todo=35)
+    s = run.summary
+    if s.get("pipeline_stages") == NPROC and s.get("idle_fraction_per_stage"):
+        rep.ok(36, f"{NPROC} stages; measured idle share per stage "
+                   f"{' '.join(f'{f:.0%}' for f in s['idle_fraction_per_stage'])}, theory "
+                   f"{s['bubble_fraction_theory']:.0%}")
+    else:
+        rep.fail(36, "no pipeline ran (no idle shares measured): PipelineStage, build_schedule, "
+                     "StageBusyTimer (TODO 36), then schedule.step between timer.start_step() and "
+                     "idle_history.append(timer.idle_fraction()) (TODO 37)")
+    if check_losses(rep, run, ref, 38):
+        rep.ok(37, "schedule.step trains like one process")
+    else:
+        rep.fail(37, "check that the first stage passes x, the last target=y and losses=losses")
+    if close(s["val_loss"], ref.summary["val_loss"]) and close(s["test_loss"], ref.summary["test_loss"]):
+        rep.ok(40, "validation and test losses equal the single-process run")
+    else:
+        rep.fail(40, f"validation loss {s['val_loss']:.5f}, single process "
+                     f"{ref.summary['val_loss']:.5f}: schedule.eval through the pipeline, pad the "
+                     "last batch, broadcast loss_sum from the last stage")
+    if (run.out / "final_model" / ".metadata").is_file():
+        check_final_weights(rep, run, ref, 39, "final_model")
+    else:
+        rep.fail(39, "no final_model folder with DCP's .metadata: "
+                     "dcp.save(model.state_dict(), checkpoint_id=out_dir / 'final_model')")
 
 
 def check_sbatch(rep, script, work, status):
@@ -852,7 +916,8 @@ def main(argv=None) -> int:
     return 0
 
 
-CHECKS = {"ddp": check_ddp, "fsdp": check_fsdp, "tp": check_tp, "sbatch": check_sbatch}
+CHECKS = {"ddp": check_ddp, "fsdp": check_fsdp, "tp": check_tp, "pp": check_pp,
+          "sbatch": check_sbatch}
 
 if __name__ == "__main__":
     sys.exit(main())
