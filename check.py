@@ -112,7 +112,7 @@ def parse_blocks(source: str):
             state = None
             continue
         if state is None:
-            found = re.search(r"\bTODO (\d+)\b", line)
+            found = re.match(r"\s*#\s*TODO (\d+)\b", line)  # a TODO comment, not a mention
             if found:
                 todo = int(found.group(1))
             items.append(("text", line))

@@ -128,3 +128,13 @@ def test_a_missing_file_gets_one_line_saying_what_to_give(tmp_path):
     proc = subprocess.run([sys.executable, "check.py", "ddp", str(tmp_path / "nope.py")], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and proc.stdout.count("\n") == 1 and "does not exist" in proc.stdout
+
+
+@pytest.mark.parametrize("step", check.STEPS)
+def test_every_todo_of_the_exercise_is_not_started_and_of_the_solution_edited(step):
+    rel = check.STEPS[step][0]
+    source = (ROOT / "course" / rel).read_text()
+    numbers = set(check.TODO_NAMES[step])
+    assert check.todo_status(source, (ROOT / rel).read_text()) == dict.fromkeys(numbers, "not started")
+    assert check.todo_status(source, (ROOT / "solutions" / rel).read_text()) == dict.fromkeys(
+        numbers, "edited")
