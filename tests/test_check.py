@@ -138,3 +138,33 @@ def test_every_todo_of_the_exercise_is_not_started_and_of_the_solution_edited(st
     assert check.todo_status(source, (ROOT / rel).read_text()) == dict.fromkeys(numbers, "not started")
     assert check.todo_status(source, (ROOT / "solutions" / rel).read_text()) == dict.fromkeys(
         numbers, "edited")
+
+
+def partly_done(source: str, done: set) -> str:
+    """The exercise with the TODOs in `done` finished (their blocks' solution parts)."""
+    out, state, todo = [], None, None
+    for line in source.splitlines(keepends=True):
+        marker = line.strip()
+        if marker in ("#| exercise", "#| solution", "#| end"):
+            state = {"#| exercise": "exercise", "#| solution": "solution", "#| end": None}[marker]
+            continue
+        if state is None:
+            found = re.match(r"\s*#\s*TODO (\d+)\b", line)
+            todo = int(found.group(1)) if found else todo
+            out.append(line)
+        elif (state == "solution") == (todo in done):
+            out.append(line)
+    return "".join(out)
+
+
+def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path):
+    rel = "train/to_distributed_training.py"
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True)
+    path.write_text(partly_done((ROOT / "course" / rel).read_text(), {1, 2, 3, 4, 5, 6}))
+    proc, flagged = run_check("ddp", path)
+    assert proc.returncode == 1
+    assert flagged == {7, 8, 9, 10, 11}, proc.stdout
+    assert not re.search(r"^  FIX", proc.stdout, re.M), proc.stdout
+    for n in (2, 4, 5, 6):
+        assert re.search(rf"^  ok +TODO {n}\b", proc.stdout, re.M), proc.stdout
