@@ -148,7 +148,7 @@ def test_regenerating_backs_up_edited_exercise_files_with_one_warning_each(tmp_p
     warnings = [l for l in capsys.readouterr().err.splitlines() if l.startswith("warning:")]
     assert len(warnings) == 2 and all("saved as backups/" in w for w in warnings)
     backups = {p.relative_to(tmp_path / "backups").parts[1:]: p.read_text()
-               for p in (tmp_path / "backups").rglob("*") if p.is_file()}
+               for p in (tmp_path / "backups").rglob("*") if p.is_file() and p.suffix != ".json"}
     assert backups == {("train", "x.py"): "my own work\n", ("x.sbatch",): "my job\n"}
     assert (tmp_path / "train" / "x.py").read_text() == exercises.render(
         (tmp_path / "course" / "train" / "x.py").read_text(), "exercise")
@@ -158,7 +158,7 @@ def test_regenerating_unchanged_files_backs_up_nothing(tmp_path, capsys):
     make_course(tmp_path)
     assert exercises.main([], root=tmp_path) == 0
     assert exercises.main([], root=tmp_path) == 0
-    assert not (tmp_path / "backups").exists()
+    assert not [p for p in (tmp_path / "backups").rglob("*") if p.suffix != ".json"]
     assert "warning" not in capsys.readouterr().err
 
 
@@ -166,3 +166,16 @@ def test_backups_are_ignored_by_git():
     proc = subprocess.run(["git", "check-ignore", "-q", "backups/20260101-000000/train/x.py"],
                           cwd=ROOT, timeout=30)
     assert proc.returncode == 0
+
+
+def test_regenerating_after_editing_the_course_source_backs_up_nothing(tmp_path, capsys):
+    """An instructor edits course/ and regenerates twice: the tool's own output is no one's work."""
+    make_course(tmp_path)
+    assert exercises.main([], root=tmp_path) == 0
+    src = tmp_path / "course" / "train" / "x.py"
+    src.write_text(src.read_text().replace("keep = 1", "keep = 2"))
+    assert exercises.main([], root=tmp_path) == 0
+    src.write_text(src.read_text().replace("keep = 2", "keep = 3"))
+    assert exercises.main([], root=tmp_path) == 0
+    assert not [p for p in (tmp_path / "backups").rglob("*") if p.suffix == ".py"]
+    assert "warning" not in capsys.readouterr().err

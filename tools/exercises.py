@@ -18,8 +18,8 @@ solutions/<path> (the solution: the `solution` parts, with "TODO N" comments tur
     python tools/exercises.py --check   # exit 1 if a committed file differs from its source
 
 Your edits are never lost: before it rewrites an exercise file (train/*.py, the root *.sbatch)
-that holds changes git does not have, the tool copies it to backups/<time>/ (git ignores that
-folder) and prints one warning line per file.
+that holds changes neither git nor this tool made, the tool copies it to backups/<time>/ (git
+ignores that folder) and prints one warning line per file.
 
 TODO numbers are unique across the whole course (one number may mark several blocks of the
 same task in one file), so a slide or a question can name "TODO 14" without ambiguity, and
@@ -29,6 +29,8 @@ they run from 1 without gaps in the order of the course.
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -86,6 +88,10 @@ def committed_text(root: Path, rel: Path) -> str | None:
     return proc.stdout if proc.returncode == 0 else None
 
 
+def digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def back_up(root: Path, target: Path, stamp: str) -> Path:
     """Copy a participant's edited exercise file to backups/<stamp>/ before it is rewritten."""
     rel = target.relative_to(root)
@@ -121,6 +127,8 @@ def main(argv=None, root: Path = ROOT) -> int:
     texts = {src: src.read_text() for src in sources(root)}
     problems = check_numbering(texts)
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    record = root / "backups" / "written.json"  # what this tool wrote last: not your edits
+    written = json.loads(record.read_text()) if record.is_file() else {}
     for src, text in texts.items():
         for variant, target in targets(src, root).items():
             try:
@@ -138,13 +146,19 @@ def main(argv=None, root: Path = ROOT) -> int:
                 if not target.is_file() or target.read_text() != wanted:
                     current = target.read_text() if target.is_file() else None
                     if (variant == "exercise" and current is not None
+                            and digest(current) != written.get(rel.as_posix())
                             and current != committed_text(root, rel)):
                         backup = back_up(root, target, stamp)
                         print(f"warning: {rel} had edits of yours: saved as "
                               f"{backup.relative_to(root)} before rewriting it", file=sys.stderr)
                     target.write_text(wanted)
+                    if variant == "exercise":
+                        written[rel.as_posix()] = digest(wanted)
                     target.chmod(src.stat().st_mode & 0o777)
                     print(f"wrote {rel}")
+    if written and not args.check:
+        record.parent.mkdir(exist_ok=True)
+        record.write_text(json.dumps(written, indent=1, sort_keys=True) + "\n")
     for p in problems:
         print(f"error: {p}", file=sys.stderr)
     return 1 if problems else 0

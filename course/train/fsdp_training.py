@@ -4,7 +4,8 @@ As shipped, this script is the solution of step 1: it trains with DistributedDat
 where every rank holds the whole model, its gradients and its optimizer state. Do TODOs 17 to 22
 in order to shard all three over the ranks with FSDP2 (`fully_shard`), to save and resume
 sharded checkpoints with Distributed Checkpoint (DCP), and to export one ordinary weights file.
-Check your work with
+Check your work at any moment with
+    python check.py fsdp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/fsdp_training.py solutions/train/fsdp_training.py
 
 Run it (the same commands before and after the TODOs; compare the "memory per rank" lines):

@@ -2,7 +2,8 @@
 
 As shipped, this script trains on one device: a GPU if there is one, else the CPU. Do the TODOs
 in order (TODOs 1 to 11 here, then 12 to 16 in to_distributed_training.sbatch) to make it train
-on several GPUs and nodes with DistributedDataParallel (DDP). Check your work with
+on several GPUs and nodes with DistributedDataParallel (DDP). Check your work at any moment with
+    python check.py ddp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/to_distributed_training.py solutions/train/to_distributed_training.py
 
 Run it:

@@ -7,7 +7,8 @@ the loss, and the gradients flow back the same way. A batch is split into microb
 stages can work at the same time; the script reports how much of each step every stage spent
 waiting (the pipeline "bubble") next to the schedule's theoretical share. The plumbing (options,
 checks, loss functions, the bubble report) is written already; the TODOs are the ideas.
-Check your work with
+Check your work at any moment with
+    python check.py pp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/pp_training.py solutions/train/pp_training.py
 
 Run it:

@@ -6,7 +6,8 @@ node, Megatron style: the ranks of a tensor-parallel group hold a slice of the a
 and of the MLP, compute on the same batch, and combine their partial results with one
 all-reduce per attention and one per MLP. With more ranks than the TP degree, the groups are
 data-parallel replicas of each other (FSDP over the other mesh dimension).
-Check your work with
+Check your work at any moment with
+    python check.py tp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/tp_training.py solutions/train/tp_training.py
 
 Run it (the TP degree defaults to the processes per node, so TP stays inside a node):
