@@ -30,10 +30,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
 
-# step name -> (file in the repository, course source, what it teaches)
+# step name -> (the exercise file, what it teaches); its source is course/<the same path>
 STEPS = {
-    "ddp": ("train/to_distributed_training.py", "DDP: samplers, DDP wrapper, reductions, rank 0 output"),
-    "sbatch": ("to_distributed_training.sbatch", "the DDP job file: GPUs, master address, port, torchrun"),
+    "ddp": ("train/to_distributed_training.py",
+            "DDP: samplers, DDP wrapper, reductions, rank 0 output"),
+    "sbatch": ("to_distributed_training.sbatch",
+               "the DDP job file: GPUs, master address, port, torchrun"),
     "fsdp": ("train/fsdp_training.py", "FSDP2: fully_shard, sharded checkpoints, full export"),
     "tp": ("train/tp_training.py", "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"),
     "pp": ("train/pp_training.py", "pipeline parallelism: stages, schedules, DCP"),
@@ -50,7 +52,8 @@ TODO_NAMES = {
     "pp": {34: "split_pipeline_stage", 35: "samplers: one replica", 36: "stage and schedules",
            37: "schedule.step", 38: "loss from the last stage", 39: "DCP save",
            40: "evaluation through the pipeline"},
-    "sbatch": {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node", 16: "two nodes"},
+    "sbatch": {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node",
+               16: "two nodes"},
 }
 NPROC = 2
 BATCH = 4          # per rank (DDP, FSDP); the whole batch for TP and PP (one replica)
@@ -186,7 +189,7 @@ def child_env(dump_dir: Path) -> dict:
 
 
 def start(script: Path, args, work: Path, name: str, nproc: int):
-    """Start `script` through the probe (below); returns (process, dump folder, out folder)."""
+    """Start `script` through the probe (below); returns the process and its open log file."""
     dump = work / name / "dump"
     dump.mkdir(parents=True)
     if nproc == 1:
@@ -262,13 +265,13 @@ class Run:
         return lines[-1] if lines else (self.output.strip().splitlines() or ["no output"])[-1]
 
 
-def close(a, b, rel=1e-4, abs_=1e-5):
+def near(a, b, rel=1e-4, abs_=1e-5):
     return a is not None and b is not None and abs(a - b) <= abs_ + rel * abs(b)
 
 
 def lists_close(a, b, rel=1e-4):
     return a is not None and b is not None and len(a) == len(b) and all(
-        close(x, y, rel) for x, y in zip(a, b))
+        near(x, y, rel) for x, y in zip(a, b))
 
 
 def plain_model(summary):
@@ -301,7 +304,7 @@ def weights_close(a, b, rel=1e-3, abs_=1e-4):
 
 
 # --------------------------------------------------------------------------- the checks
-def crash_report(rep: Report, run: Run, status, first_todo):
+def crash_report(rep: Report, run: Run):
     rep.fail("run", f"your script stopped with: {run.error_line()}")
     m = re.search(r"name '(\w+)' is not defined", run.error_line())
     if m:
@@ -381,10 +384,10 @@ def check_eval_exact(rep, run, todo):
     if not pairs:
         rep.fail(todo, "evaluate() was not called as expected")
         return
-    if all(close(v, f, 1e-6, 1e-7) for v, f in pairs):
+    if all(near(v, f, 1e-6, 1e-7) for v, f in pairs):
         rep.ok(todo, "validation and test losses equal the single-process evaluation exactly")
     else:
-        v, f = next(p for p in pairs if not close(p[0], p[1], 1e-6, 1e-7))
+        v, f = next(p for p in pairs if not near(p[0], p[1], 1e-6, 1e-7))
         rep.fail(todo, f"evaluate() returned {v:.6f} on rank 0, the whole split gives {f:.6f}: "
                        "add up loss_sum and tokens over the ranks (all_reduce_sum) before dividing")
 
@@ -397,7 +400,7 @@ def check_losses(rep, run, ref, todo, what="the logged training losses"):
     if len(mine) != len(theirs):
         rep.fail(todo, f"{len(mine)} training steps, the single-process run takes {len(theirs)}")
     else:
-        i = next(i for i, (x, y) in enumerate(zip(mine, theirs)) if not close(x, y))
+        i = next(i for i, (x, y) in enumerate(zip(mine, theirs)) if not near(x, y))
         rep.fail(todo, f"{what} differ from the single-process run from step {i + 1} on "
                        f"({mine[i]:.5f} vs {theirs[i]:.5f})")
     return False
@@ -430,7 +433,7 @@ def check_ddp(rep, script, work, status):
     if ref.crashed:
         raise SystemExit(f"the reference run failed: {ref.error_line()}")
     if run.crashed:
-        crash_report(rep, run, status, 1)
+        crash_report(rep, run)
         return
     if run.summary["world_size"] != NPROC:
         rep.fail(2, f"world size {run.summary['world_size']} with {NPROC} processes: "
@@ -445,7 +448,7 @@ def check_ddp(rep, script, work, status):
     else:
         rep.fail(5, "the ranks' weights drifted apart: wrap the model, "
                            "model = DDP(model, device_ids=[local_rank] if device.type == 'cuda' else None)")
-    trained_alike = close(r0["param_sum"], ref.ranks[0]["param_sum"], 1e-5)
+    trained_alike = near(r0["param_sum"], ref.ranks[0]["param_sum"], 1e-5)
     if check_losses(rep, run, ref, 7):
         pass
     elif trained_alike:
@@ -473,7 +476,7 @@ def check_fsdp(rep, script, work, status):
     if ref.crashed:
         raise SystemExit(f"the reference run failed: {ref.error_line()}")
     if run.crashed:
-        crash_report(rep, run, status, 17)
+        crash_report(rep, run)
         return
     r0 = run.ranks[0]
     units = r0["fsdp"]
@@ -520,7 +523,7 @@ def check_fsdp(rep, script, work, status):
         if resumed.crashed:
             rep.fail(21, f"--resume {ckpt} in one process stopped with: {resumed.error_line()}")
         elif (resumed.summary["steps"] == run.summary["steps"]
-              and close(resumed.summary["test_loss"], run.summary["test_loss"], 1e-6)):
+              and near(resumed.summary["test_loss"], run.summary["test_loss"], 1e-6)):
             rep.ok(21, "a single process resumes the 2-rank checkpoint at the same step "
                               "and evaluates to the same test loss")
         else:
@@ -543,7 +546,7 @@ def check_tp(rep, script, work, status):
     if ref.crashed:
         raise SystemExit(f"the reference run failed: {ref.error_line()}")
     if run.crashed:
-        crash_report(rep, run, status, 23)
+        crash_report(rep, run)
         return
     s = run.summary
     if s.get("tensor_parallel_size") == NPROC:
@@ -569,7 +572,7 @@ def check_tp(rep, script, work, status):
         rep.fail(29, "fully_shard(block, mesh=mesh['dp']) for every block, then "
                             "fully_shard(model, mesh=mesh['dp'])")
     check_losses(rep, run, ref, 31)
-    if close(s["val_loss"], ref.summary["val_loss"]) and close(s["test_loss"], ref.summary["test_loss"]):
+    if near(s["val_loss"], ref.summary["val_loss"]) and near(s["test_loss"], ref.summary["test_loss"]):
         rep.ok(33, "validation and test losses equal the single-process run")
     else:
         rep.fail(33, f"validation loss {s['val_loss']:.5f}, single process "
@@ -588,7 +591,7 @@ def check_pp(rep, script, work, status):
     if ref.crashed:
         raise SystemExit(f"the reference run failed: {ref.error_line()}")
     if run.crashed:
-        crash_report(rep, run, status, 34)
+        crash_report(rep, run)
         return
     r0, r1 = run.ranks
     n_layers = run.summary["model_config"]["n_layers"]
@@ -620,7 +623,7 @@ def check_pp(rep, script, work, status):
         rep.ok(37, "schedule.step trains like one process")
     else:
         rep.fail(37, "check that the first stage passes x, the last target=y and losses=losses")
-    if close(s["val_loss"], ref.summary["val_loss"]) and close(s["test_loss"], ref.summary["test_loss"]):
+    if near(s["val_loss"], ref.summary["val_loss"]) and near(s["test_loss"], ref.summary["test_loss"]):
         rep.ok(40, "validation and test losses equal the single-process run")
     else:
         rep.fail(40, f"validation loss {s['val_loss']:.5f}, single process "
@@ -910,6 +913,8 @@ def main(argv=None) -> int:
         print("\nSteps:")
         for name, (path, what) in STEPS.items():
             print(f"  python check.py {name:<7} {path:<36} {what}")
+        print("\nAfter the step, another file (or folder holding a copy of the repository) to check:"
+              "\n  python check.py ddp my_copy.py")
         return 0 if not argv else 2
     step = argv[0]
     target = Path(argv[1]) if len(argv) > 1 else ROOT / STEPS[step][0]
