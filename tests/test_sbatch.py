@@ -107,7 +107,7 @@ def test_two_nodes_get_one_torchrun_each_and_only_node_0_hosts_the_rendezvous(fa
     common = ["--nnodes=2", "--nproc_per_node=gpu", "--rdzv_backend=c10d", "--rdzv_id=4242"]
     assert node0[:4] == node1[:4] == common
     assert "--rdzv_conf=is_host=1" in node0 and "--rdzv_conf=is_host=0" in node1
-    script = node0.index("solutions/train/to_distributed_training.py")
+    script = node0.index("train/to_distributed_training.py")
     assert node0[script + 1:] == node1[script + 1:]
     assert node0[-2:] == ["--epochs", "1"] and "--dataset" in node0 and "wikitext-2" in node0
 

@@ -118,8 +118,12 @@ def train(slurm: Cluster, case: SbatchCase, out_dir: Path, data_dir: Path, job_e
           *more_args, deadline: float = 150) -> Job:
     args = (*SHORT_RUN, "--data-dir", data_dir, "--out-dir", out_dir, *case.extra_args,
             *more_args)
+    # the sbatch files run train/X.py unless SCRIPT says otherwise: solutions/ runs its solution
+    script = ({"SCRIPT": f"solutions/train/{Path(case.sbatch).stem}.py"}
+              if case.sbatch.startswith("solutions/") else {})
     return slurm.sbatch(case.sbatch, *args, nodes=case.nodes, output=out_dir / "job.out",
-                        env={**job_env, "OUT_DIR": out_dir, "NPROC_PER_NODE": case.procs_per_node},
+                        env={**job_env, "OUT_DIR": out_dir, "NPROC_PER_NODE": case.procs_per_node,
+                             **script},
                         deadline=deadline)
 
 

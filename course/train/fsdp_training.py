@@ -4,7 +4,8 @@ As shipped, this script is the solution of step 1: it trains with DistributedDat
 where every rank holds the whole model, its gradients and its optimizer state. Do TODOs 17 to 22
 in order to shard all three over the ranks with FSDP2 (`fully_shard`), to save and resume
 sharded checkpoints with Distributed Checkpoint (DCP), and to export one ordinary weights file.
-Check your work with
+Check your work at any moment with
+    python check.py fsdp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/fsdp_training.py solutions/train/fsdp_training.py
 
 Run it (the same commands before and after the TODOs; compare the "memory per rank" lines):
@@ -40,9 +41,10 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      gather_per_rank, print0, setup)
-# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy, the checkpoint helpers
-# save_sharded_model, load_sharded_model and save_full_model, and from utils.checkpointing the
-# resume bookkeeping resume_checkpoint and resume_position. DDP and save0 are no longer needed.
+# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy (from torch.distributed.fsdp), the
+# checkpoint helpers save_sharded_model, load_sharded_model and save_full_model (from
+# utils.distributed_utils), and the resume bookkeeping resume_checkpoint and resume_position
+# (from utils.checkpointing). DDP and save0 are no longer needed.
 #| exercise
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
@@ -53,7 +55,11 @@ from utils.distributed_utils import load_sharded_model, save_full_model, save_sh
 #| end
 
 
-# TODO 18: Shard the model with FSDP2. fully_shard each Transformer block first, then the root
+# TODO 18: Shard the model with FSDP2: write
+#     apply_fsdp(model, mixed_precision="none", reshard_after_forward=True) -> model
+# and the options --mixed-precision {none,bf16} and --reshard-after-forward {true,false} it takes.
+# fully_shard(module, reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(...)) each
+# Transformer block of model.layers.values() first, then the root
 # (the embeddings, final norm and output layer). Each call makes one FSDP unit: its parameters
 # become DTensors split over the ranks, gathered just before the unit's forward and backward and
 # freed afterwards, and its gradients are reduce-scattered so each rank keeps only its shard.
@@ -146,7 +152,8 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # TODO 19: Replace DDP by apply_fsdp. The optimizer is made afterwards on purpose: it must
+    # TODO 19: Replace DDP by model = apply_fsdp(model, args.mixed_precision,
+    # args.reshard_after_forward == "true"). The optimizer is made afterwards on purpose: it must
     # hold the sharded parameters, so each rank keeps optimizer state for its shard only.
     #| exercise
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -268,7 +275,8 @@ def main():
     print0("memory per rank (MiB): weights+gradients+optimizer "
            f"{' '.join(f'{b / 2**20:.1f}' for b in state_bytes)}; "
            f"peak {' '.join(f'{b / 2**20:.0f}' for b in peak_bytes)}")
-    # TODO 22: Export the trained weights as one ordinary file with save_full_model: it gathers
+    # TODO 22: Export the trained weights as one ordinary file with
+    # save_full_model(model, out_dir / "final_model.pt") on every rank: it gathers
     # the full weights on rank 0 (into CPU memory), and the file loads into a plain TransformerLM.
     #| exercise
     save0(model, out_dir / "final_model.pt")
@@ -298,7 +306,7 @@ def evaluate(model, loader, device):
     # Each rank saw only its share of the split: sum loss and token counts before dividing.
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
     # TODO 19: FSDP frees the root unit's gathered weights only after backward, and evaluation
-    # has none: reshard, or the full embeddings and output layer stay on every rank.
+    # has none: model.reshard(), or the full embeddings and output layer stay on every rank.
     #| exercise
     #| solution
     model.reshard()

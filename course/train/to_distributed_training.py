@@ -2,7 +2,8 @@
 
 As shipped, this script trains on one device: a GPU if there is one, else the CPU. Do the TODOs
 in order (TODOs 1 to 11 here, then 12 to 16 in to_distributed_training.sbatch) to make it train
-on several GPUs and nodes with DistributedDataParallel (DDP). Check your work with
+on several GPUs and nodes with DistributedDataParallel (DDP). Check your work at any moment with
+    python check.py ddp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/to_distributed_training.py solutions/train/to_distributed_training.py
 
 Run it:
@@ -27,8 +28,10 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
-# TODO 1: Import what DDP needs: DistributedDataParallel, DistributedSampler, our
-# DistributedEvalSampler, and the helpers from utils/distributed_utils.py.
+# TODO 1: Import what DDP needs: DistributedDataParallel (as DDP) from torch.nn.parallel,
+# DistributedSampler from torch.utils.data.distributed, our DistributedEvalSampler from
+# utils.data, and from utils.distributed_utils the helpers setup, print0, save0,
+# all_reduce_mean, all_reduce_sum and destroy_process_group.
 #| exercise
 #| solution
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -44,8 +47,10 @@ def main():
     out_dir = Path(args.out_dir)
     start_time = time.time()
 
-    # TODO 2: Replace the hand-made device with `setup()`: under torchrun it joins the process
-    # group and picks this rank's GPU (or the CPU with gloo); it seeds every rank alike.
+    # TODO 2: Replace the hand-made device with
+    #     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    # Under torchrun it joins the process group and picks this rank's GPU (or the CPU with
+    # gloo); it seeds every rank alike.
     #| exercise
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     world_size = 1
@@ -67,9 +72,12 @@ def main():
     check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
-    # TODO 3: Give every rank its own shard of the data. Training: a DistributedSampler,
-    # shuffled with the same seed on every rank, dropping the remainder so all ranks take the
-    # same number of steps. Validation and test: DistributedEvalSampler (it counts no sample twice).
+    # TODO 3: Give every rank its own shard of the data. Training: train_sampler =
+    # DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
+    # seed=args.seed, drop_last=True): the same shuffle on every rank, and the remainder dropped
+    # so all ranks take the same number of steps. Validation and test: val_sampler and
+    # test_sampler = DistributedEvalSampler(dataset, num_replicas, rank) from utils.data (it
+    # counts no sample twice).
     #| exercise
     #| solution
     train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
@@ -79,7 +87,8 @@ def main():
     #| end
     loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
                        pin_memory=device.type == "cuda")
-    # TODO 4: Pass the samplers to the DataLoaders. The sampler shuffles now: drop shuffle=True.
+    # TODO 4: Pass the samplers to the DataLoaders (sampler=train_sampler, ...). The sampler
+    # shuffles now: drop shuffle=True.
     #| exercise
     train_loader = DataLoader(train_ds, shuffle=True, drop_last=True, **loader_args)
     val_loader = DataLoader(val_ds, **loader_args)
@@ -105,7 +114,8 @@ def main():
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
     #| end
     # TODO 5: Wrap the model in DistributedDataParallel. It keeps the replicas identical by
-    # averaging the gradients of all ranks during backward().
+    # averaging the gradients of all ranks during backward():
+    #     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     #| exercise
     #| solution
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -117,7 +127,8 @@ def main():
     throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
-        # TODO 6: Tell the sampler the epoch, or every epoch repeats the first epoch's order.
+        # TODO 6: Tell the sampler the epoch, train_sampler.set_epoch(epoch), or every epoch
+        # repeats the first epoch's order.
         #| exercise
         #| solution
         train_sampler.set_epoch(epoch)
@@ -134,7 +145,8 @@ def main():
             optimizer.step()
             step += 1
             throughput.step(x.numel() * world_size)
-            # TODO 7: Each rank's loss covers only its own batch: log the mean over all ranks.
+            # TODO 7: Each rank's loss covers only its own batch: log the mean over all ranks,
+            # all_reduce_mean(loss.detach()).
             #| exercise
             step_loss = loss.detach()  # detach: keeping the graph alive would hold its memory
             #| solution
@@ -169,7 +181,7 @@ def main():
         if val_loss < best_val:
             best_val = val_loss
             # TODO 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
-            # DDP), so the file loads into a model without DDP.
+            # DDP), so the file loads into a model without DDP: save0(model, path).
             #| exercise
             out_dir.mkdir(parents=True, exist_ok=True)
             torch.save(model.state_dict(), out_dir / "best_model.pt")
@@ -203,8 +215,9 @@ def main():
     #| end
     write_summary(out_dir, summary)
     logger.close()
-    # TODO 11: Leave the process group when done. Delete the DDP model first, so its
-    # communication buffers are freed while the group still exists.
+    # TODO 11: Leave the process group when done: destroy_process_group(). Delete the DDP model
+    # first (del model, optimizer), so its communication buffers are freed while the group
+    # still exists.
     #| exercise
     #| solution
     del model, optimizer
@@ -226,7 +239,8 @@ def evaluate(model, loader, device):
                                     ignore_index=IGNORE_INDEX)
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # TODO 8: Each rank saw only its share of the split: add up the loss sums and token counts of
-    # all ranks before dividing, so the result equals the single-GPU loss exactly.
+    # all ranks before dividing (all_reduce_sum(loss_sum), all_reduce_sum(tokens)), so the result
+    # equals the single-GPU loss exactly.
     #| exercise
     #| solution
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)

@@ -1,12 +1,14 @@
 """Pipeline parallelism (PP): each GPU holds a few consecutive layers, a stage of the model.
 
 As shipped, this script is the finished DDP step: every rank holds the whole model and its own
-batch. Do the TODOs in order (34 to 44) to cut the model into one stage per rank: the first
+batch. Do the TODOs in order (34 to 40) to cut the model into one stage per rank: the first
 stage embeds the tokens, each stage sends its activations to the next, the last stage computes
 the loss, and the gradients flow back the same way. A batch is split into microbatches so the
 stages can work at the same time; the script reports how much of each step every stage spent
-waiting (the pipeline "bubble") next to the schedule's theoretical share.
-Check your work with
+waiting (the pipeline "bubble") next to the schedule's theoretical share. The plumbing (options,
+checks, loss functions, the bubble report) is written already; the TODOs are the ideas.
+Check your work at any moment with
+    python check.py pp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/pp_training.py solutions/train/pp_training.py
 
 Run it:
@@ -32,19 +34,17 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
-from torch.utils.data.distributed import DistributedSampler
-from utils.data import DistributedEvalSampler
-from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
-                                     print0, save0, setup)
-# DONE 34: Import the pipelining tools (PipelineStage, the ScheduleGPipe and Schedule1F1B
-# schedules), Distributed Checkpoint, torch.distributed for the loss broadcast, and the bubble
-# helpers from utils/metrics.py. DDP goes: a stage has nothing to average with.
 import sys
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel as DDP  # until DONE 36
+from torch.utils.data.distributed import DistributedSampler
 
+from utils.data import DistributedEvalSampler
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     print0, save0, setup)
 from utils.metrics import StageBusyTimer, pipeline_bubble_fraction
 
 # GPipe: all forward passes, then all backward passes (keeps every microbatch's activations).
@@ -53,10 +53,6 @@ from utils.metrics import StageBusyTimer, pipeline_bubble_fraction
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
-# DONE 35: Cut the model into stages. A stage keeps its own blocks and deletes the others from
-# the ModuleDict (the remaining keys keep their names, so checkpoints match the whole model);
-# only the first stage keeps the embeddings, only the last keeps the final norm and the output
-# layer (set the others to None: the model's forward skips them).
 def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[range]:
     """The block indices of every stage: an equal split, or the given counts (e.g. [3, 5])."""
     counts = layers_per_stage or [n_layers // num_stages] * num_stages
@@ -64,6 +60,13 @@ def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[
     return [range(starts[i], starts[i + 1]) for i in range(num_stages)]
 
 
+# DONE 34: Cut the model into stages: write
+#     split_pipeline_stage(model, stage_index, num_stages, layers_per_stage=None) -> model
+# It keeps the blocks of stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]
+# and deletes the others from the ModuleDict model.layers (`del model.layers[name]`: the remaining
+# keys keep their names, so checkpoints match the whole model). Only the first stage keeps the
+# embeddings (model.tok_emb, model.pos_emb), only the last the final norm and the output layer
+# (model.norm, model.output): set the others to None, the model's forward skips them.
 def split_pipeline_stage(model: TransformerLM, stage_index: int, num_stages: int,
                          layers_per_stage=None) -> TransformerLM:
     """Keep only what stage `stage_index` computes; returns the (now smaller) model."""
@@ -117,8 +120,7 @@ def lm_loss_sum(logits, targets):
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # DONE 36: Options for the pipeline: --schedule (gpipe or 1f1b), --microbatches (pieces of a
-    # batch), and --layers-per-stage for an uneven split (e.g. 3,5).
+    # Options for the pipeline: the schedule, the microbatches, an uneven split of the layers.
     parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b")
     parser.add_argument("--microbatches", type=positive_int, default=4,
                         help="pieces each batch is cut into (at least the number of stages)")
@@ -137,15 +139,16 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # DONE 37: One stage per rank, in rank order. Check that the model and the batch split.
+    # One stage per rank, in rank order. Check that the model and the batch split.
     num_stages, stage_index = world_size, rank
     check_pipeline(args, cfg, num_stages)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     # Give every data-parallel replica its own shard of the data: a DistributedSampler for
     # training, DistributedEvalSampler for validation and test (it counts no sample twice).
-    # DONE 38: The stages of a pipeline are one replica: they all read the same batches (the
-    # first uses the tokens, the last the targets). One replica, replica 0.
+    # DONE 35: The stages of a pipeline are one replica: they all read the same batches (the
+    # first uses the tokens, the last the targets). One replica, replica 0: num_replicas=1, rank=0
+    # in all three samplers.
     train_sampler = DistributedSampler(train_ds, num_replicas=1, rank=0,
                                        shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=0)
@@ -164,21 +167,27 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # DONE 39: Instead of DDP: keep only this rank's stage (split_pipeline_stage), wrap it in a
-    # PipelineStage (it sends and receives the activations), and build the training schedule
-    # (mean loss) and an evaluation schedule (summed loss). A StageBusyTimer on the stage
-    # measures how long it computes.
+    # DONE 36: Instead of DDP: keep only this rank's stage,
+    #     model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)
+    # wrap it in a PipelineStage(model, stage_index, num_stages, device) (it sends and receives
+    # the activations), and build two schedules with build_schedule(name, stage, microbatches,
+    # loss_fn): `schedule` for training (args.schedule, lm_loss: the mean) and `eval_schedule` for
+    # evaluation ("gpipe", lm_loss_sum: the sum). timer = StageBusyTimer(stage, device) measures
+    # how long the stage computes (the bubble report at the end reads it).
     model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)
     stage = PipelineStage(model, stage_index, num_stages, device)
     schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)
     eval_schedule = build_schedule("gpipe", stage, args.microbatches, lm_loss_sum)
     timer = StageBusyTimer(stage, device)
-    local_params = all_reduce_sum(torch.tensor([model.num_params() if r == rank else 0
+    # What every rank holds now (with a pipeline: only its stage).
+    params = sum(p.numel() for p in model.parameters())
+    local_params = all_reduce_sum(torch.tensor([params if r == rank else 0
                                                 for r in range(world_size)], device=device)).tolist()
-    print0(f"{num_stages} stages, layers {[list(r) for r in stage_layers(cfg.n_layers, num_stages, args.layers_per_stage)]}, "
-           f"parameters per stage {local_params}; schedule {args.schedule}, "
-           f"{args.microbatches} microbatches of {args.batch_size // args.microbatches}")
-    idle_history = []
+    layers = [list(r) for r in stage_layers(cfg.n_layers, num_stages, args.layers_per_stage)]
+    print0(f"{num_stages} stages, layers {layers}, parameters per rank {local_params}; "
+           f"schedule {args.schedule}, {args.microbatches} microbatches of "
+           f"{args.batch_size // args.microbatches}")
+    idle_history = []  # per step: the share of the step this stage waited (timer.idle_fraction())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
@@ -191,9 +200,12 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # DONE 40: The schedule runs forward, loss and backward for all microbatches: the
-            # first stage passes the tokens, the last the targets and a list for the
-            # microbatch losses, a stage in the middle neither. Time the step for the bubble.
+            # DONE 37: The schedule runs forward, loss and backward for all microbatches:
+            #     schedule.step(*((x,) if stage.is_first else ()),
+            #                   target=y if stage.is_last else None, losses=losses)
+            # the first stage passes the tokens, the last the targets and a list (losses = [])
+            # that receives the microbatch losses, a stage in the middle neither. Call
+            # timer.start_step() before it and append timer.idle_fraction() to idle_history after.
             optimizer.zero_grad(set_to_none=True)
             timer.start_step()
             losses = []
@@ -202,9 +214,11 @@ def main():
             idle_history.append(timer.idle_fraction())
             optimizer.step()
             step += 1
-            # DONE 41: Only the last stage knows the loss: the mean of its microbatch losses.
-            # Broadcast it from there, so every rank logs (and rank 0 reports) the same value.
-            # One pipeline processes one batch per step: count its tokens once.
+            # DONE 38: Only the last stage knows the loss: the mean of its microbatch losses
+            # (torch.stack(losses).mean(); a zero tensor elsewhere). Broadcast it from there,
+            # dist.broadcast(step_loss, src=num_stages - 1), so every rank logs (and rank 0
+            # reports) the same value. One pipeline processes one batch per step: count its
+            # tokens once, throughput.step(x.numel()).
             throughput.step(x.numel())
             step_loss = (torch.stack(losses).mean() if stage.is_last
                          else torch.zeros((), device=device))
@@ -216,55 +230,65 @@ def main():
                 logger.log({"train/loss": step_loss.item()}, step)
 
         throughput.pause()  # evaluation time is not training time
-        # DONE 43: evaluate through the pipeline
+        # DONE 40: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
         stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
         if val_loss < best_val:
             best_val = val_loss
-            # DONE 42: No rank holds the whole model: save with Distributed Checkpoint, every
-            # stage writing its own part into one folder. The keys are the whole model's
-            # ("layers.5..." stays "layers.5..."), so the folder loads into the unsplit model.
+            # DONE 39: No rank holds the whole model: save with Distributed Checkpoint, every
+            # stage writing its own part into one folder,
+            #     dcp.save(model.state_dict(), checkpoint_id=out_dir / "best_model")
+            # The keys are the whole model's ("layers.5..." stays "layers.5..."), so the folder
+            # loads into the unsplit model.
             dcp.save(model.state_dict(), checkpoint_id=out_dir / "best_model")
         if step == args.max_steps:
             break
 
     # ---- evaluation, saving, summary ----
-    # DONE 43: evaluate through the pipeline. DONE 44: report the bubble.
+    # DONE 40: evaluate through the pipeline
     test_loss = evaluate(model, test_loader, device, stage, eval_schedule)
-    # The median idle share of this stage's steps (the first one also sets the pipeline up),
-    # gathered from every stage.
-    idle = torch.tensor(idle_history[1:] or idle_history, device=device).median().item()
-    idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
-                                       device=device))
-    bubble = pipeline_bubble_fraction(num_stages, args.microbatches)
-    print0(f"idle share of a step per stage (measured): "
-           f"{' '.join(f'{f:.0%}' for f in idle.tolist())}; "
-           f"bubble of {args.schedule} with {num_stages} stages and {args.microbatches} "
-           f"microbatches, for equal stages and free communication: {bubble:.0%}")
+    pipeline = {}
+    if idle_history:  # the bubble: the measured idle share of every stage next to the theory
+        # The median idle share of this stage's steps (the first one also sets the pipeline up),
+        # gathered from every stage.
+        idle = torch.tensor(idle_history[1:] or idle_history).median().item()
+        idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
+                                           device=device))
+        bubble = pipeline_bubble_fraction(num_stages, args.microbatches)
+        print0(f"idle share of a step per stage (measured): "
+               f"{' '.join(f'{f:.0%}' for f in idle.tolist())}; "
+               f"bubble of {args.schedule} with {num_stages} stages and {args.microbatches} "
+               f"microbatches, for equal stages and free communication: {bubble:.0%}")
+        pipeline = dict(data_parallel_size=1, pipeline_stages=num_stages, schedule=args.schedule,
+                        microbatches=args.microbatches, idle_fraction_per_stage=idle.tolist(),
+                        bubble_fraction_theory=bubble)
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
-        data_parallel_size=1, pipeline_stages=num_stages, schedule=args.schedule,
-        microbatches=args.microbatches, params_per_rank=local_params,
-        idle_fraction_per_stage=idle.tolist(), bubble_fraction_theory=bubble)
+        params_per_rank=local_params, **pipeline)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
-    # DONE 42: Distributed Checkpoint
+    # DONE 39: Distributed Checkpoint, into out_dir / "final_model"
     dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
     write_summary(out_dir, summary)
     logger.close()
     # Delete the model first, so its communication buffers go while the group still exists.
-    del model, optimizer, stage, schedule, eval_schedule
+    del model, optimizer
+    # DONE 36: ... and the stage and schedules, which hold the model too.
+    del stage, schedule, eval_schedule
     destroy_process_group()
 
 
-# DONE 43: Evaluate through the pipeline with the evaluation schedule's forward-only eval():
-# the last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
-# fill a short last batch with padding samples, whose IGNORE_INDEX targets count nowhere.
-# The sums exist on the last stage only: broadcast them.
+# DONE 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule), called
+# with eval_schedule. Its forward-only schedule.eval(...) takes the same arguments as
+# schedule.step; the last stage sums the losses of the microbatches. A pipeline's buffers have a
+# fixed shape: fill a short last batch up to loader.batch_size with padding samples (tokens 0,
+# targets IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast
+# them with dist.broadcast(loss_sum, src=dist.get_world_size() - 1) (the token count is the same
+# on every stage).
 @torch.no_grad()
 def evaluate(model, loader, device, stage, schedule):
     """Token-weighted mean loss over a whole split."""
@@ -274,7 +298,7 @@ def evaluate(model, loader, device, stage, schedule):
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        # DONE 43: pad, then eval() through the pipeline
+        # DONE 40: pad, then eval() through the pipeline
         if len(x) < loader.batch_size:
             pad = loader.batch_size - len(x)
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
@@ -287,7 +311,7 @@ def evaluate(model, loader, device, stage, schedule):
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each rank saw only its share of the split: add up the loss sums and token counts of
     # all ranks before dividing, so the result equals the single-GPU loss exactly.
-    # DONE 43: broadcast from the last stage instead
+    # DONE 40: broadcast from the last stage instead
     dist.broadcast(loss_sum, src=dist.get_world_size() - 1)
     model.train()
     return (loss_sum / tokens).item()

@@ -6,7 +6,8 @@ node, Megatron style: the ranks of a tensor-parallel group hold a slice of the a
 and of the MLP, compute on the same batch, and combine their partial results with one
 all-reduce per attention and one per MLP. With more ranks than the TP degree, the groups are
 data-parallel replicas of each other (FSDP over the other mesh dimension).
-Check your work with
+Check your work at any moment with
+    python check.py tp    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/tp_training.py solutions/train/tp_training.py
 
 Run it (the TP degree defaults to the processes per node, so TP stays inside a node):
@@ -38,9 +39,11 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-# DONE 23: Import the device mesh, DTensor's Replicate placement, the tensor-parallel tools
-# (parallelize_module with the ColwiseParallel and RowwiseParallel styles, loss_parallel),
-# FSDP2's fully_shard in place of DDP (DONE 29 says why), and save_full_model (DONE 32).
+# DONE 23: Import os (for DONE 25), init_device_mesh from torch.distributed.device_mesh,
+# Replicate from torch.distributed.tensor, the tensor-parallel tools from
+# torch.distributed.tensor.parallel (parallelize_module, ColwiseParallel, RowwiseParallel,
+# loss_parallel), fully_shard from torch.distributed.fsdp in place of DDP (DONE 29 says why),
+# and save_full_model from utils.distributed_utils (DONE 32).
 import os
 
 from torch.distributed.device_mesh import init_device_mesh
@@ -52,10 +55,14 @@ from utils.distributed_utils import save_full_model
 
 
 # DONE 24: The tensor-parallel plan, as a function of its own (the model file knows nothing of
-# it). Column-wise for q/k/v and the MLP's in_proj (each rank computes some heads or hidden
-# units from the whole input), row-wise for the attention's out_proj and the MLP's out_proj
-# (each rank multiplies its slice; an all-reduce adds the partial results). Decide what to do
-# with the token embedding and the output layer: they hold most of the small models' weights.
+# it): apply_tp(model, tp_mesh) -> model. For every block of model.layers.values(),
+# parallelize_module(block, tp_mesh, {name: style}) with ColwiseParallel() for "attn.q_proj",
+# "attn.k_proj", "attn.v_proj" and "mlp.in_proj" (each rank computes some heads or hidden units
+# from the whole input), RowwiseParallel() for "attn.out_proj" and "mlp.out_proj" (each rank
+# multiplies its slice; an all-reduce adds the partial results). Then on the model itself:
+# "tok_emb" split over the vocabulary, RowwiseParallel(input_layouts=Replicate()), and
+# "output" ColwiseParallel(use_local_output=False), so the logits stay split for loss_parallel:
+# these two hold most of the small models' weights.
 def apply_tp(model: TransformerLM, tp_mesh) -> TransformerLM:
     """Shard the model over the ranks of `tp_mesh` in place; returns it.
 
@@ -100,9 +107,9 @@ def check_tp_degree(tp: int, world_size: int, cfg) -> None:
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # DONE 25: A --tp option: the tensor-parallel degree. Default: the processes on this node
-    # (torchrun's LOCAL_WORLD_SIZE), since TP communicates in every layer and needs the fast
-    # links inside a node.
+    # DONE 25: A --tp option (type=int): the tensor-parallel degree. Default: the processes on
+    # this node, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), since TP communicates in every layer
+    # and needs the fast links inside a node.
     parser.add_argument("--tp", type=positive_int,
                         default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         help="tensor-parallel degree (default: processes per node)")
@@ -119,10 +126,14 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # DONE 26: Check that the model and the world can be split (check_tp_degree), then arrange
-    # the ranks in a 2-D device mesh (dp, tp). TP is the inner dimension: ranks r and r+1 share
-    # layers, so a TP group sits inside a node. Ask the mesh for this rank's data-parallel index
-    # and size, and the data-parallel process group.
+    # DONE 26: Check that the model and the world can be split, check_tp_degree(args.tp,
+    # world_size, cfg), then arrange the ranks in a 2-D device mesh:
+    #     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
+    #                             mesh_dim_names=("dp", "tp"))
+    # TP is the inner dimension: ranks r and r+1 share layers, so a TP group sits inside a node.
+    # Ask the mesh for this rank's data-parallel index and size and the data-parallel group:
+    # dp_rank = mesh["dp"].get_local_rank(), dp_size = mesh["dp"].size(),
+    # dp_group = mesh["dp"].get_group().
     check_tp_degree(args.tp, world_size, cfg)
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
@@ -152,8 +163,10 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # DONE 28: Shard the model over the TP dimension of the mesh (apply_tp), then report how
-    # many parameters this rank holds: that is what TP saves in memory.
+    # DONE 28: Shard the model over the TP dimension of the mesh, model = apply_tp(model,
+    # mesh["tp"]), then report how many parameters this rank holds (local_params: the sum of
+    # p.to_local().numel() for DTensor parameters, p.numel() for the others): that is what TP
+    # saves in memory.
     model = apply_tp(model, mesh["tp"])
     local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                        for p in model.parameters())
@@ -163,7 +176,7 @@ def main():
     # different shards and must not be averaged with each other. DDP expects plain tensors;
     # FSDP2 is built on DTensor like TP, so use it: fully_shard every block, then the root, on
     # the dp sub-mesh (with dp 1 it shards nothing and costs nothing). This is the usual 2-D
-    # layout: TP inside a node, FSDP across nodes.
+    # layout: TP inside a node, FSDP across nodes. fully_shard(module, mesh=mesh["dp"]).
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -193,7 +206,10 @@ def main():
             step += 1
             # Each rank's loss covers only its own batch: log the mean over the replicas.
             # DONE 31: Tokens and losses are counted per data-parallel replica, not per
-            # process: a TP group shares one batch.
+            # process: a TP group shares one batch. throughput.step(x.numel() * dp_size) and
+            # all_reduce_mean(loss.detach(), group=dp_group); at the end training_summary(...,
+            # data_parallel_size=dp_size, tensor_parallel_size=args.tp,
+            # params_per_rank=local_params).
             throughput.step(x.numel() * dp_size)
             step_loss = all_reduce_mean(loss.detach(), group=dp_group)
             stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
@@ -238,9 +254,10 @@ def main():
     destroy_process_group()
 
 
-# DONE 33: Evaluate like training: the loss inside loss_parallel (its sum comes back as a
-# DTensor: take full_tensor()), and add up sums and token counts over the data-parallel group
-# only, since the ranks of a TP group evaluated the same samples.
+# DONE 33: Evaluate like training: evaluate(model, loader, device, dp_group). The loss inside
+# loss_parallel (its sum comes back as a DTensor: take full_tensor()), and add up sums and token
+# counts over the data-parallel group only, all_reduce_sum(t, dp_group), since the ranks of a TP
+# group evaluated the same samples. Then model.reshard(), as in the FSDP step.
 @torch.no_grad()
 def evaluate(model, loader, device, dp_group):
     """Token-weighted mean loss over a whole split."""
