@@ -30,6 +30,7 @@ from utils.args import base_parser
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, model_state_bytes,
                            peak_memory_bytes, perplexity, training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
@@ -64,6 +65,8 @@ def main():
     # Under torchrun, join the process group and pick this rank's GPU (or the CPU with gloo).
     # Every rank is seeded alike, so every rank builds the same initial weights.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    # auto: bf16 on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -87,6 +90,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
@@ -95,7 +100,8 @@ def main():
     # TODO 19: Replace DDP by apply_fsdp. The optimizer is made afterwards on purpose: it must
     # hold the sharded parameters, so each rank keeps optimizer state for its shard only.
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -121,8 +127,10 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            # bf16: autocast (the DDP version), or FSDP's policy, which also halves the gathers
+            with autocast(args.precision, device):
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

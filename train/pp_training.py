@@ -31,6 +31,7 @@ from utils.args import base_parser
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
@@ -58,6 +59,8 @@ def main():
     # setup() joins the process group and picks this rank's device; it seeds every rank alike,
     # so every stage cuts its layers out of the same initial model.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -82,6 +85,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
@@ -92,7 +97,8 @@ def main():
     # (mean loss) and an evaluation schedule (summed loss). A StageBusyTimer on the stage
     # measures how long it computes.
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -107,8 +113,9 @@ def main():
             # TODO 40: The schedule runs forward, loss and backward for all microbatches: the
             # first stage passes the tokens, the last the targets and a list for the
             # microbatch losses, a stage in the middle neither. Time the step for the bubble.
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

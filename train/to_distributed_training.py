@@ -26,6 +26,7 @@ from utils.args import base_parser
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 # TODO 1: Import what DDP needs: DistributedDataParallel, DistributedSampler, our
 # DistributedEvalSampler, and the helpers from utils/distributed_utils.py.
 
@@ -40,6 +41,8 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     world_size = 1
     torch.manual_seed(args.seed)
+    # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     # TODO 9: Print on rank 0 only: replace print by print0 here and in the TODO 9 lines below.
@@ -60,6 +63,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     # TODO 9: print0
@@ -68,7 +73,9 @@ def main():
           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
     # TODO 5: Wrap the model in DistributedDataParallel. It keeps the replicas identical by
     # averaging the gradients of all ranks during backward().
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fused: one kernel updates all parameters on a GPU (instead of several per parameter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -81,8 +88,9 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -135,6 +143,7 @@ def main():
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""
+    # No autocast here: the loss of the fp32 weights, comparable between --precision settings.
     model.eval()
     # float64 sums: adding many partial sums in another order changes nothing visible
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)

@@ -26,6 +26,7 @@ from utils.args import base_parser
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 # DONE 1: Import what DDP needs: DistributedDataParallel, DistributedSampler, our
 # DistributedEvalSampler, and the helpers from utils/distributed_utils.py.
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -43,6 +44,8 @@ def main():
     # DONE 2: Replace the hand-made device with `setup()`: under torchrun it joins the process
     # group and picks this rank's GPU (or the CPU with gloo); it seeds every rank alike.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     # DONE 9: Print on rank 0 only: replace print by print0 here and in the DONE 9 lines below.
@@ -67,6 +70,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     # DONE 9: print0
@@ -76,7 +81,9 @@ def main():
     # DONE 5: Wrap the model in DistributedDataParallel. It keeps the replicas identical by
     # averaging the gradients of all ranks during backward().
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fused: one kernel updates all parameters on a GPU (instead of several per parameter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -90,8 +97,9 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -145,6 +153,7 @@ def main():
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""
+    # No autocast here: the loss of the fp32 weights, comparable between --precision settings.
     model.eval()
     # float64 sums: adding many partial sums in another order changes nothing visible
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
