@@ -40,8 +40,10 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 102
     """FLOP/s of the fastest of repeated square matmuls on `device`: the peak MFU divides by
     where no data sheet applies. The fastest, not the mean: other work on a shared machine only
     ever slows a matmul down."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # its own generator: measuring must not move the training's random numbers (dropout)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     a @ b  # warm-up
     best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:

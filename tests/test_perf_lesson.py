@@ -1,0 +1,149 @@
+"""The performance step (train/perf_training.py): it measures, profiles and names the phases
+of a step, and its fixes change the speed, not what is trained."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from conftest import ROOT, read_summary, run_script, script_env
+
+EXERCISE, SOLUTION = "train/perf_training.py", "solutions/train/perf_training.py"
+COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
+          "--seed", 3, "--batch-size", 8)
+PHASES = {"forward", "backward", "optimizer", "communication"}
+
+
+def load_solution():
+    spec = importlib.util.spec_from_file_location("perf_training", ROOT / SOLUTION)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trace_event_names(path) -> set[str]:
+    return {e.get("name") for e in json.loads(path.read_text())["traceEvents"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """The exercise, and the solution with --profile on 1 and on 2 processes, 10 steps each."""
+    tmp = tmp_path_factory.mktemp("perf")
+    env = script_env(cache_dir=data_cache)
+    args = (*COMMON, "--max-steps", 10, "--log-every", 5)
+    out = {"exercise": run_script(EXERCISE, *args, "--out-dir", tmp / "exercise", env=env).stdout,
+           "solution": run_script(SOLUTION, *args, "--profile", "--out-dir", tmp / "solution",
+                                  env=env).stdout}
+    run_script(SOLUTION, *args, "--profile", "--batch-size", 4, "--out-dir", tmp / "two",
+               nproc=2, env=env, timeout=180)
+    return tmp, out
+
+
+def test_measuring_and_profiling_change_nothing_that_is_trained(runs):
+    tmp, _ = runs
+    exercise, solution = read_summary(tmp / "exercise"), read_summary(tmp / "solution")
+    assert exercise["precision"] == solution["precision"] == "fp32"
+    assert exercise["loss_history"] == solution["loss_history"]
+
+
+def test_the_solution_reports_tokens_per_second_and_mfu_while_training(runs):
+    _, out = runs
+    lines = [l for l in out["solution"].splitlines() if l.startswith("epoch 0 step")]
+    assert len(lines) == 2 and all("tokens/s MFU" in l for l in lines)
+    assert "MFU against" in out["solution"] and "float32 matmul on cpu" in out["solution"]
+
+
+def test_the_profile_is_a_trace_with_the_named_phases_of_a_step(runs):
+    tmp, out = runs
+    traces = list((tmp / "solution" / "profile").glob("rank0.*.pt.trace.json"))
+    assert len(traces) == 1
+    names = trace_event_names(traces[0])
+    assert PHASES <= names and "aten::mm" in names
+    # the window: 1 step skipped, 2 warm-up, 3 recorded (ProfilerStep#N marks each)
+    assert {n for n in names if n.startswith("ProfilerStep#")} == {"ProfilerStep#3",
+                                                                   "ProfilerStep#4",
+                                                                   "ProfilerStep#5"}
+    assert "Self CPU time total" in out["solution"]  # the operator table
+
+
+def test_every_rank_writes_its_own_trace(runs):
+    tmp, _ = runs
+    for rank in (0, 1):
+        [trace] = (tmp / "two" / "profile").glob(f"rank{rank}.*.pt.trace.json")
+        assert PHASES <= trace_event_names(trace)
+
+
+@pytest.mark.parametrize("steps, window", [(100, (1, 2, 3)), (6, (1, 2, 3)), (5, (0, 1, 4)),
+                                           (2, (0, 1, 1)), (1, None), (0, None)])
+def test_the_profiling_window_fits_into_the_steps_of_the_run(steps, window):
+    assert load_solution().profiler_window(steps) == window
+
+
+def test_a_short_run_still_writes_a_trace_and_a_one_step_run_says_why_it_has_none(tmp_path,
+                                                                                  data_cache):
+    env = script_env(cache_dir=data_cache)
+    run_script(SOLUTION, *COMMON, "--max-steps", 3, "--profile", "--out-dir", tmp_path / "three",
+               env=env)
+    assert list((tmp_path / "three" / "profile").glob("rank0.*.pt.trace.json"))
+    proc = run_script(SOLUTION, *COMMON, "--max-steps", 1, "--profile", "--out-dir",
+                      tmp_path / "one", env=env)
+    assert "too few to profile" in proc.stdout
+    assert not (tmp_path / "one" / "profile").exists() and (tmp_path / "one" / "summary.json").is_file()
+
+
+def test_ranges_go_to_the_profiler_everywhere_and_to_nvtx_only_on_a_gpu(monkeypatch):
+    module = load_solution()
+    opened = []
+
+    class Range:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            opened.append(self.name)
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda.nvtx, "range", Range)
+    with torch.profiler.profile() as prof:
+        with module.annotate("forward", torch.device("cpu")):
+            torch.ones(2) @ torch.ones(2)
+    assert opened == []  # no NVTX on a CPU
+    assert "forward" in {e.name for e in prof.events()}
+    with module.annotate("backward", torch.device("cuda")):
+        pass
+    assert opened == ["backward"]
+
+
+def test_bf16_in_the_solution_trains_close_to_fp32_and_reports_its_precision(tmp_path,
+                                                                            data_cache):
+    env = script_env(cache_dir=data_cache)
+    run_script(SOLUTION, *COMMON, "--max-steps", 6, "--precision", "bf16", "--out-dir",
+               tmp_path / "bf16", env=env)
+    run_script(EXERCISE, *COMMON, "--max-steps", 6, "--precision", "bf16", "--out-dir",
+               tmp_path / "exercise", env=env)
+    bf16, exercise = read_summary(tmp_path / "bf16"), read_summary(tmp_path / "exercise")
+    assert bf16["precision"] == "bf16" and exercise["precision"] == "fp32"  # before TODO 49: fp32
+    torch.testing.assert_close(bf16["loss_history"], exercise["loss_history"], atol=0.05, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_the_fixes_are_faster_and_the_trace_has_kernels(tmp_path, data_cache):
+    env = script_env(cache_dir=data_cache)
+    args = ("--dataset", "synthetic", "--preset", "small", "--logger", "none", "--max-steps", 60,
+            "--log-every", 20)
+    run_script(SOLUTION, *args, "--precision", "fp32", "--out-dir", tmp_path / "fp32", env=env)
+    run_script(SOLUTION, *args, "--precision", "bf16", "--profile", "--out-dir",
+               tmp_path / "bf16", env=env)
+    fp32, bf16 = read_summary(tmp_path / "fp32"), read_summary(tmp_path / "bf16")
+    assert "data sheet" in bf16["peak_flops_source"] or "measured bfloat16" in bf16["peak_flops_source"]
+    assert bf16["tokens_per_s"] > fp32["tokens_per_s"]
+    [trace] = (tmp_path / "bf16" / "profile").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    assert PHASES <= {e.get("name") for e in events}
