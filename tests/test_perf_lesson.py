@@ -147,3 +147,51 @@ def test_on_a_gpu_the_fixes_are_faster_and_the_trace_has_kernels(tmp_path, data_
     events = json.loads(trace.read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)
     assert PHASES <= {e.get("name") for e in events}
+
+
+# ---- tools/scaling_report.py -------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def scaling_runs(tmp_path_factory, data_cache):
+    """The DDP solution on 1 and on 2 CPU processes, the same global batch, 12 steps."""
+    tmp = tmp_path_factory.mktemp("scaling")
+    env = script_env(cache_dir=data_cache)
+    args = ("--dataset", "synthetic", "--preset", "tiny", "--logger", "none", "--max-steps", 12)
+    run_script("solutions/train/to_distributed_training.py", *args, "--batch-size", 16,
+               "--out-dir", tmp / "one", env=env)
+    run_script("solutions/train/to_distributed_training.py", *args, "--batch-size", 8,
+               "--out-dir", tmp / "two", nproc=2, env=env, timeout=180)
+    return tmp
+
+
+def report(*args):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "tools/scaling_report.py", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_the_scaling_report_compares_world_sizes_against_the_smallest_and_draws_a_png(
+        scaling_runs, tmp_path):
+    one, two = read_summary(scaling_runs / "one"), read_summary(scaling_runs / "two")
+    png = tmp_path / "plots" / "scaling.png"
+    proc = report(scaling_runs / "two" / "summary.json", scaling_runs / "one" / "summary.json",
+                  "-o", png)
+    assert proc.returncode == 0, proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines()[1:3]]
+    assert [row[0] for row in rows] == ["1", "2"]  # sorted by world size, whatever the order given
+    speedup = two["tokens_per_s"] / one["tokens_per_s"]
+    assert rows[1][2] == f"{speedup:.2f}x" and rows[1][3] == "2x"
+    assert rows[1][4] == f"{speedup / 2:.0%}"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_the_scaling_report_refuses_a_file_that_is_not_a_summary_and_draws_nothing(
+        scaling_runs, tmp_path):
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"loss": 1}')
+    png = tmp_path / "scaling.png"
+    proc = report(scaling_runs / "one" / "summary.json", bad, "-o", png)
+    assert proc.returncode != 0 and not png.exists()
+    [line] = proc.stderr.strip().splitlines()
+    assert "notes.json is not a training summary.json" in line

@@ -204,8 +204,9 @@ def fused_and_foreach_adamw_on_fsdp_shards(rank, world_size):
 @pytest.mark.slow
 def test_fused_adamw_steps_fsdp_shards_like_the_default_adamw():
     result = run_distributed(fused_and_foreach_adamw_on_fsdp_shards, 2, timeout=120)[0]
-    for name, weight in result[False].items():
-        torch.testing.assert_close(result[True][name], weight, atol=1e-5, rtol=1e-5)
+    assert result[True].keys() == result[False].keys()
+    for name, weight in result[False].items():  # AdamW magnifies rounding differences to ~1e-5
+        torch.testing.assert_close(result[True][name], weight, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
