@@ -195,3 +195,40 @@ def test_the_scaling_report_refuses_a_file_that_is_not_a_summary_and_draws_nothi
     assert proc.returncode != 0 and not png.exists()
     [line] = proc.stderr.strip().splitlines()
     assert "notes.json is not a training summary.json" in line
+
+
+# ---- perf_training.sbatch: Nsight Systems only when asked -------------------------------
+
+def submit_perf_sbatch(tmp_path, sbatch, **env):
+    """Run the sbatch file with an srun stand-in that records its command line."""
+    import os
+    import subprocess
+    bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("")
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text('#!/bin/bash\nprintf "%s\\n" "$@" > "$FAKE_LOG"\n')
+    (bin_dir / "srun").chmod(0o755)
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "NSYS"))}
+    full_env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv),
+                    FAKE_LOG=str(tmp_path / "srun.args"), SLURM_SUBMIT_DIR=str(tmp_path),
+                    SLURM_JOB_NAME="perf", SLURM_JOB_ID="7", SLURM_CPUS_PER_TASK="8", **env)
+    proc = subprocess.run(["bash", str(ROOT / sbatch), "--max-steps", "50"], cwd=ROOT,
+                          env=full_env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    return (tmp_path / "srun.args").read_text().splitlines()
+
+
+def test_the_sbatch_file_runs_the_script_plainly_and_under_nsys_only_with_nsys_1(tmp_path):
+    plain = submit_perf_sbatch(tmp_path / "a", "solutions/perf_training.sbatch")
+    assert "nsys" not in plain
+    script = plain.index("solutions/train/perf_training.py")
+    assert plain[script - 2:script] == ["python", "-u"] and plain[-2:] == ["--max-steps", "50"]
+    traced = submit_perf_sbatch(tmp_path / "b", "solutions/perf_training.sbatch", NSYS="1")
+    out_dir = tmp_path / "b" / "runs" / "perf-7"
+    start = traced.index("nsys")
+    assert traced[start:start + 6] == ["nsys", "profile", "-t", "cuda,nvtx,nccl", "-o",
+                                       str(out_dir / "nsys")]
+    assert traced.index("python") > start
+    exercise = submit_perf_sbatch(tmp_path / "c", "perf_training.sbatch", NSYS="1")
+    assert "nsys" not in exercise and "train/perf_training.py" in exercise  # before its TODO
