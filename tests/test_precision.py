@@ -16,8 +16,8 @@ from distributed import run_distributed
 from model import TransformerLM, get_config
 from utils import metrics
 from utils.args import base_parser
-from utils.precision import (autocast, fsdp_mixed_precision, lightning_precision, matmul_dtype,
-                             resolve_precision, set_precision)
+from utils.precision import (autocast, lightning_precision, matmul_dtype, resolve_precision,
+                             set_precision)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
@@ -83,15 +83,34 @@ def test_bf16_autocast_runs_matmuls_in_bf16_and_keeps_weights_and_loss_in_fp32()
             assert layer(x).dtype == torch.float32
 
 
-def test_fsdp_policy_and_lightning_precision_follow_the_same_flag():
-    bf16 = fsdp_mixed_precision("bf16", output_dtype=torch.float32)
-    assert (bf16.param_dtype, bf16.reduce_dtype, bf16.output_dtype) == (
-        torch.bfloat16, torch.float32, torch.float32)
+def fsdp_compute_dtypes(rank, world_size):
+    """What apply_fsdp(model, precision) computes a block in, and the dtypes it keeps."""
+    fsdp = load("solutions/train/fsdp_training.py")
+    result = {}
+    for precision in ("fp32", "tf32", "bf16"):
+        torch.manual_seed(0)
+        model = fsdp.apply_fsdp(TransformerLM(get_config("tiny", vocab_size=97)), precision)
+        seen = []
+        model.layers["0"].mlp.in_proj.register_forward_hook(
+            lambda m, inputs, out: seen.append((m.weight.dtype, out.dtype)))
+        logits = model(torch.randint(97, (2, 8)))
+        result[precision] = dict(compute=seen[0], logits=logits.dtype,
+                                 master=model.layers["0"].mlp.in_proj.weight.dtype)
+    return result
+
+
+def test_fsdp_takes_its_mixed_precision_policy_from_the_precision_flag():
+    result = run_distributed(fsdp_compute_dtypes, 1, timeout=120)[0]
+    assert result["bf16"]["compute"] == (torch.bfloat16, torch.bfloat16)
     for precision in ("fp32", "tf32"):
-        policy = fsdp_mixed_precision(precision)
-        assert policy.param_dtype is None and policy.reduce_dtype is None
-        assert lightning_precision(precision) == "32-true"
+        assert result[precision]["compute"] == (torch.float32, torch.float32)
+    for r in result.values():  # fp32 master weights and fp32 logits for the loss, always
+        assert r["master"] == r["logits"] == torch.float32
+
+
+def test_lightning_gets_bf16_mixed_for_bf16_and_32_true_otherwise():
     assert lightning_precision("bf16") == "bf16-mixed"
+    assert lightning_precision("fp32") == lightning_precision("tf32") == "32-true"
 
 
 def test_the_lightning_trainer_gets_bf16_mixed_for_bf16_and_32_true_for_auto_on_cpu(monkeypatch,

@@ -67,16 +67,6 @@ def autocast(precision: str, device: torch.device):
     return contextlib.nullcontext()
 
 
-def fsdp_mixed_precision(precision: str, output_dtype: torch.dtype | None = None):
-    """FSDP2's MixedPrecisionPolicy for a precision: for bf16 the gathered weights (so the
-    all-gathers and the compute) are bfloat16 and gradients are reduced in float32."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-    if precision == "bf16":
-        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                    output_dtype=output_dtype)
-    return MixedPrecisionPolicy(output_dtype=output_dtype)
-
-
 def lightning_precision(precision: str) -> str:
     """Lightning's name for it: bf16 autocast with fp32 weights is "bf16-mixed"; tf32 is
     "32-true" plus the global switch (set_precision)."""
