@@ -91,7 +91,8 @@ def test_a_short_run_still_writes_a_trace_and_a_one_step_run_says_why_it_has_non
     proc = run_script(SOLUTION, *COMMON, "--max-steps", 1, "--profile", "--out-dir",
                       tmp_path / "one", env=env)
     assert "too few to profile" in proc.stdout
-    assert not (tmp_path / "one" / "profile").exists() and (tmp_path / "one" / "summary.json").is_file()
+    assert not (tmp_path / "one" / "profile").exists()
+    assert (tmp_path / "one" / "summary.json").is_file()
 
 
 def test_ranges_go_to_the_profiler_everywhere_and_to_nvtx_only_on_a_gpu(monkeypatch):
@@ -141,7 +142,7 @@ def test_on_a_gpu_the_fixes_are_faster_and_the_trace_has_kernels(tmp_path, data_
     run_script(SOLUTION, *args, "--precision", "bf16", "--profile", "--out-dir",
                tmp_path / "bf16", env=env)
     fp32, bf16 = read_summary(tmp_path / "fp32"), read_summary(tmp_path / "bf16")
-    assert "data sheet" in bf16["peak_flops_source"] or "measured bfloat16" in bf16["peak_flops_source"]
+    assert "bfloat16" in bf16["peak_flops_source"]  # a data sheet's bf16 peak, or a measured one
     assert bf16["tokens_per_s"] > fp32["tokens_per_s"]
     [trace] = (tmp_path / "bf16" / "profile").glob("rank0.*.pt.trace.json")
     events = json.loads(trace.read_text())["traceEvents"]

@@ -133,7 +133,8 @@ def test_mfu_on_a_known_gpu_divides_by_the_data_sheet_peak_of_the_precision(monk
                                                                             precision, peak):
     monkeypatch.delenv("PEAK_FLOPS", raising=False)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
-    assert metrics.peak_flops(CUDA, precision) == (peak, f"H100 data sheet ({matmul_dtype(precision)})")
+    expected = (peak, f"H100 data sheet ({matmul_dtype(precision)})")
+    assert metrics.peak_flops(CUDA, precision) == expected
 
 
 def test_mfu_on_a_cpu_measures_a_matmul_in_the_precision_and_tf32_there_is_fp32(monkeypatch):
