@@ -482,7 +482,7 @@ def check_fsdp(rep, script, work, status):
     units = r0["fsdp"]
     if units is None:
         rep.fail(19, "the model is not sharded (no FSDP unit): "
-                            "model = apply_fsdp(model, args.mixed_precision, "
+                            "model = apply_fsdp(model, args.precision, "
                             "args.reshard_after_forward == 'true') instead of DDP(...)")
     else:
         blocks, root = units["blocks"], units["root"]

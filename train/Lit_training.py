@@ -41,6 +41,7 @@ from utils.data import check_splits, load_corpus_or_exit
 from utils.distributed_utils import TIMEOUT, destroy_process_group
 from utils.lit_data import WikiText2DataModule
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.precision import compile_blocks, lightning_precision, set_precision
 
 # Lightning's rank_zero_only is the DDP lesson's print0; it knows the rank before any process group.
 print0 = rank_zero_only(partial(print, flush=True))
@@ -87,8 +88,12 @@ def slurm_layout() -> tuple[int, int] | None:
 
 
 def trainer_settings(args) -> dict:
-    """accelerator, devices, num_nodes, strategy and cluster plugin for this run."""
+    """accelerator, devices, num_nodes, strategy, precision and cluster plugin for this run."""
     accelerator = args.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}[args.device]
+    use_gpu = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
+    # auto: bf16 on a GPU that has it, else fp32; Lightning's "bf16-mixed" is autocast with fp32
+    # weights, like the plain scripts (see utils/precision.py)
+    args.precision = set_precision(args.precision, torch.device("cuda" if use_gpu else "cpu"))
     layout = slurm_layout()
     if layout is not None:
         num_nodes, devices = layout
@@ -97,7 +102,6 @@ def trainer_settings(args) -> dict:
         # (Not Lightning's own auto_requeue: see RequeueAtTimeLimit.)
         plugins = [SLURMEnvironment(auto_requeue=False)]
     else:
-        use_gpu = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
         num_nodes, devices, plugins = 1, (torch.cuda.device_count() if use_gpu else 2), []
     num_nodes, devices = args.num_nodes or num_nodes, args.devices or devices
     if args.strategy == "fsdp2":
@@ -109,7 +113,7 @@ def trainer_settings(args) -> dict:
         # timeout: a missing or stuck process fails the others after DIST_TIMEOUT_MINUTES
         strategy = DDPStrategy(timeout=TIMEOUT)
     return dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
-                plugins=plugins)
+                precision=lightning_precision(args.precision), plugins=plugins)
 
 
 def apply_fsdp(model, device_mesh) -> None:
@@ -225,6 +229,8 @@ def main():
                                  parallelize=apply_fsdp if args.strategy == "fsdp2" else None)
     flops_per_tok = flops_per_token(lit_model.model.num_params(exclude_embeddings=True),
                                     cfg.n_layers, cfg.d_model, cfg.max_seq_len)
+    if args.compile:
+        compile_blocks(lit_model.model)
 
     # ---- trainer: processes, process group, DDP/FSDP2, devices, logging, checkpoints ----
     settings = trainer_settings(args)

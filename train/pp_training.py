@@ -34,6 +34,7 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 import sys
 
 import torch.distributed as dist
@@ -122,6 +123,8 @@ def main():
     # so every stage cuts its layers out of the same initial model.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     check_writable(out_dir)  # now, not at the first save after hours of training
+    # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -150,6 +153,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
@@ -172,7 +177,8 @@ def main():
            f"schedule {args.schedule}, {args.microbatches} microbatches of "
            f"{args.batch_size // args.microbatches}")
     idle_history = []  # per step: the share of the step this stage waited (timer.idle_fraction())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -190,8 +196,9 @@ def main():
             # the first stage passes the tokens, the last the targets and a list (losses = [])
             # that receives the microbatch losses, a stage in the middle neither. Call
             # timer.start_step() before it and append timer.idle_fraction() to idle_history after.
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

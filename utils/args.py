@@ -135,6 +135,13 @@ def base_parser(script: str, description: str | None) -> argparse.ArgumentParser
     train.add_argument("--weight-decay", type=non_negative_float, default=0.1)
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    perf = p.add_argument_group("performance (docs/performance.md)")
+    perf.add_argument("--precision", choices=["auto", "fp32", "tf32", "bf16"], default="auto",
+                      help="matmul precision: bf16 = autocast with fp32 master weights, tf32 = "
+                           "fp32 tensors on tensor cores; auto: bf16 on a GPU that has it, "
+                           "else fp32")
+    perf.add_argument("--compile", action="store_true",
+                      help="torch.compile the Transformer blocks (slow first steps)")
     out = p.add_argument_group("output")
     out.add_argument("--out-dir", default=default_out_dir(script),
                      help="checkpoints, logs and summary.json (default runs/<script>[-<job id>])")

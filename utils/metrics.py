@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from utils.distributed_utils import is_root_process
+from utils.precision import matmul_dtype, resolve_precision
 
 
 def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, seq_len: int) -> float:
@@ -39,8 +40,10 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 102
     """FLOP/s of the fastest of repeated square matmuls on `device`: the peak MFU divides by
     where no data sheet applies. The fastest, not the mean: other work on a shared machine only
     ever slows a matmul down."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # its own generator: measuring must not move the training's random numbers (dropout)
+    g = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=g)
     a @ b  # warm-up
     best, start = float("inf"), time.perf_counter()
     while time.perf_counter() - start < seconds:
@@ -52,21 +55,22 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int = 102
     return 2 * n ** 3 / best
 
 
-def peak_flops(device: torch.device, dtype=torch.float32) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where that number comes from).
+def peak_flops(device: torch.device, precision: str = "fp32") -> tuple[float, str]:
+    """(peak FLOP/s of one device for the matmul dtype `precision` runs in, where it comes from).
 
-    $PEAK_FLOPS overrides; a known GPU uses its data sheet; anything else is measured.
+    $PEAK_FLOPS overrides; a known GPU uses its data sheet; anything else is measured, with a
+    matmul in that dtype (tf32 on a CPU is float32: see utils/precision.py).
     """
     if os.environ.get("PEAK_FLOPS"):
         return float(os.environ["PEAK_FLOPS"]), "PEAK_FLOPS"
+    kind = matmul_dtype(precision, device)
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        kind = "tf32" if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else \
-            {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "bfloat16"}[dtype]
         for gpu, peaks in GPU_PEAK_FLOPS.items():
             if gpu in name:
                 return peaks[kind], f"{gpu} data sheet ({kind})"
-    return measure_matmul_flops(device, dtype), f"measured {dtype} matmul on {device.type}"
+    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+    return measure_matmul_flops(device, dtype), f"measured {kind} matmul on {device.type}"
 
 
 def synchronize(device: torch.device) -> None:
@@ -180,11 +184,14 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
 
     loss_history holds the global mean training loss of every optimizer step; the global batch
     is --batch-size times the data-parallel size (the world size unless TP/PP). tokens_per_s
-    counts all ranks; MFU divides by the peak of all devices (see flops_per_token); memory is
-    this rank's peak. `device` is the one this rank trained on: the peak and the memory are its.
+    counts all ranks; MFU divides by the peak of all devices (see flops_per_token) in the dtype
+    of args.precision; memory is this rank's peak. `device` is the one this rank trained on: the
+    peak and the memory are its.
     """
     tokens_per_s = throughput.tokens_per_s()
-    peak, peak_source = peak_flops(device)
+    # The peak of the dtype the matmuls ran in: bf16 against the bf16 peak, fp32 against fp32.
+    precision = resolve_precision(getattr(args, "precision", "fp32"), device)
+    peak, peak_source = peak_flops(device, precision)
     return dict(
         world_size=world_size, steps=steps,
         global_batch_size=args.batch_size * (data_parallel_size or world_size),
@@ -198,7 +205,8 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
         mfu=tokens_per_s * flops_per_token / (peak * world_size),
         device=str(device), peak_flops_per_device=peak, peak_flops_source=peak_source,
         peak_mem_bytes=peak_memory_bytes(device), wall_time_s=time.time() - start_time,
-        data=corpus.source, preset=args.preset, model_config=cfg.to_dict(), args=vars(args),
+        precision=precision, data=corpus.source, preset=args.preset, model_config=cfg.to_dict(),
+        args=vars(args),
         **extra)
 
 

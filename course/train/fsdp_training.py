@@ -37,6 +37,7 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, model_state_bytes,
                            peak_memory_bytes, perplexity, training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
@@ -56,8 +57,8 @@ from utils.distributed_utils import load_sharded_model, save_full_model, save_sh
 
 
 # TODO 18: Shard the model with FSDP2: write
-#     apply_fsdp(model, mixed_precision="none", reshard_after_forward=True) -> model
-# and the options --mixed-precision {none,bf16} and --reshard-after-forward {true,false} it takes.
+#     apply_fsdp(model, precision="fp32", reshard_after_forward=True) -> model
+# and its option --reshard-after-forward {true,false} (--precision is every script's flag).
 # fully_shard(module, reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(...)) each
 # Transformer block of model.layers.values() first, then the root
 # (the embeddings, final norm and output layer). Each call makes one FSDP unit: its parameters
@@ -67,9 +68,9 @@ from utils.distributed_utils import load_sharded_model, save_full_model, save_sh
 # a time, and lets the gather of the next block overlap the compute of this one.
 #| exercise
 #| solution
-def apply_fsdp(model, mixed_precision="none", reshard_after_forward=True):
+def apply_fsdp(model, precision="fp32", reshard_after_forward=True):
     policy = {}
-    if mixed_precision == "bf16":
+    if precision == "bf16":
         # Compute in bf16; the optimizer keeps fp32 weights; gradients are summed in fp32.
         policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.layers.values():
@@ -87,9 +88,6 @@ def parse_args():
     # TODO 18: The options of apply_fsdp.
     #| exercise
     #| solution
-    parser.add_argument("--mixed-precision", choices=["none", "bf16"], default="none",
-                        help="bf16: compute in bfloat16, keep fp32 master weights and reduce "
-                             "gradients in fp32")
     parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",
                         help="true: free each block's gathered weights after its forward and "
                              "gather again for backward (ZeRO-3, least memory); false: keep them "
@@ -123,6 +121,8 @@ def main():
     # Every rank is seeded alike, so every rank builds the same initial weights.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     check_writable(out_dir)  # now, not at the first save after hours of training
+    # auto: bf16 on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -147,20 +147,23 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # TODO 19: Replace DDP by model = apply_fsdp(model, args.mixed_precision,
+    # TODO 19: Replace DDP by model = apply_fsdp(model, args.precision,
     # args.reshard_after_forward == "true"). The optimizer is made afterwards on purpose: it must
     # hold the sharded parameters, so each rank keeps optimizer state for its shard only.
     #| exercise
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     #| solution
-    model = apply_fsdp(model, args.mixed_precision, args.reshard_after_forward == "true")
+    model = apply_fsdp(model, args.precision, args.reshard_after_forward == "true")
     #| end
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -213,8 +216,10 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            # bf16: autocast (the DDP version), or FSDP's policy, which also halves the gathers
+            with autocast(args.precision, device):
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()

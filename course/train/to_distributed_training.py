@@ -28,6 +28,7 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 # TODO 1: Import what DDP needs: DistributedDataParallel (as DDP) from torch.nn.parallel,
 # DistributedSampler from torch.utils.data.distributed, our DistributedEvalSampler from
 # utils.data, and from utils.distributed_utils the helpers setup, print0, save0,
@@ -59,6 +60,8 @@ def main():
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     #| end
     check_writable(out_dir)  # now, not at the first save after hours of training
+    # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     # TODO 9: Print on rank 0 only: replace print by print0 here and in the TODO 9 lines below.
@@ -101,6 +104,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     # TODO 9: print0
@@ -120,7 +125,9 @@ def main():
     #| solution
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     #| end
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    # fused: one kernel updates all parameters on a GPU (instead of several per parameter)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -138,8 +145,9 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
+                logits = model(x)
+                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
@@ -228,6 +236,7 @@ def main():
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""
+    # No autocast here: the loss of the fp32 weights, comparable between --precision settings.
     model.eval()
     # float64 sums: adding many partial sums in another order changes nothing visible
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)

@@ -34,6 +34,7 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
@@ -131,6 +132,8 @@ def main():
     # which TP needs: each rank cuts its shard out of the same initial weights.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     check_writable(out_dir)  # now, not at the first save after hours of training
+    # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
+    args.precision = set_precision(args.precision, device)
 
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
@@ -178,6 +181,8 @@ def main():
 
     # ---- model and optimizer ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
@@ -207,7 +212,8 @@ def main():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     #| end
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -219,7 +225,9 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            logits = model(x)
+            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
+                logits = model(x)
+            logits = logits.float()  # the loss over the vocabulary in fp32 (no-op in fp32)
             # TODO 30: The logits are split over the vocabulary: compute the loss and run the
             # backward pass inside loss_parallel(), which combines the pieces of the softmax
             # with small all-reduces instead of gathering the logits. The loss is the same on

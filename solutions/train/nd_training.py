@@ -47,6 +47,7 @@ from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, chec
 from utils.distributed_utils import all_reduce_mean, all_reduce_sum, destroy_process_group, print0, setup
 from utils.metrics import (MetricLogger, StageBusyTimer, Throughput, flops_per_token, perplexity,
                            pipeline_bubble_fraction, training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -153,6 +154,7 @@ def main():
 
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     check_writable(out_dir)  # now, not at the first save after hours of training
+    args.precision = set_precision(args.precision, device)  # auto: bf16 on GPUs, fp32 on CPUs
     if args.dp is None:
         args.dp = max(1, world_size // (args.pp * args.tp))
 
@@ -183,6 +185,8 @@ def main():
 
     # ---- model: split into stages, then TP inside a stage, then FSDP across replicas ----
     model = TransformerLM(cfg).to(device)
+    if args.compile:
+        compile_blocks(model)
     flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
                                     cfg.d_model, cfg.max_seq_len)
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
@@ -200,7 +204,8 @@ def main():
         [mine if r == rank else 0 for r in range(world_size)], device=device)).tolist()
     print0(f"mesh pp {args.pp} x dp {args.dp} x tp {args.tp}; schedule {args.schedule}, "
            f"{args.microbatches} microbatches; parameters per rank {params_per_rank}")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=device.type == "cuda")  # one kernel for all parameters
     logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
 
     # ---- training ----
@@ -217,7 +222,7 @@ def main():
             losses = []
             # loss_parallel around the whole step: the last stage's loss and its backward run
             # inside the schedule
-            with loss_parallel():
+            with loss_parallel(), autocast(args.precision, device):  # bf16: fp32 master weights
                 schedule.step(*((x,) if stage.is_first else ()),
                               target=y if stage.is_last else None, losses=losses)
             idle_history.append(timer.idle_fraction())

@@ -1,0 +1,256 @@
+"""--precision, the fused AdamW and --compile: what each setting turns on, and that training
+with it still tracks plain fp32 training (on CPU, where bf16 autocast works too)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import ROOT, read_summary, run_script, script_env
+from distributed import run_distributed
+from model import TransformerLM, get_config
+from utils import metrics
+from utils.args import base_parser
+from utils.precision import (autocast, lightning_precision, matmul_dtype, resolve_precision,
+                             set_precision)
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
+          "--seed", 3, "--log-every", 1000)
+
+
+def load(script: str):
+    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture
+def fp32_switch():
+    """Leave the global TF32 switch as the test found it."""
+    before = torch.backends.cuda.matmul.fp32_precision
+    yield
+    torch.backends.cuda.matmul.fp32_precision = before
+
+
+# ---- the flag and what it maps to --------------------------------------------------------
+
+def test_every_script_gets_precision_and_compile_flags_defaulting_to_auto_and_off():
+    args = base_parser("x.py", None).parse_args([])
+    assert args.precision == "auto" and args.compile is False
+    args = base_parser("x.py", None).parse_args(["--precision", "bf16", "--compile"])
+    assert args.precision == "bf16" and args.compile is True
+    with pytest.raises(SystemExit):
+        base_parser("x.py", None).parse_args(["--precision", "fp16"])
+
+
+def test_auto_is_fp32_on_a_cpu_and_bf16_on_a_gpu_that_has_it(monkeypatch):
+    assert resolve_precision("auto", CPU) == "fp32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_precision("auto", CUDA) == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a V100
+    assert resolve_precision("auto", CUDA) == "fp32"
+    assert resolve_precision("tf32", CPU) == "tf32"  # explicit settings stay as given
+
+
+def test_tf32_turns_the_matmul_switch_on_and_every_other_precision_turns_it_off(fp32_switch):
+    assert set_precision("tf32", CUDA) == "tf32"
+    assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+    assert set_precision("bf16", CUDA) == "bf16"
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    set_precision("tf32", CUDA)
+    assert set_precision("auto", CPU) == "fp32"
+    assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+
+
+def test_bf16_autocast_runs_matmuls_in_bf16_and_keeps_weights_and_loss_in_fp32():
+    layer = torch.nn.Linear(8, 16)
+    x, y = torch.randn(4, 8), torch.randint(16, (4,))
+    with autocast("bf16", CPU):
+        out = layer(x)
+        loss = F.cross_entropy(out, y)
+    assert out.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    loss.backward()
+    assert layer.weight.dtype == layer.weight.grad.dtype == torch.float32
+    for precision in ("fp32", "tf32"):
+        with autocast(precision, CPU):
+            assert layer(x).dtype == torch.float32
+
+
+def fsdp_compute_dtypes(rank, world_size):
+    """What apply_fsdp(model, precision) computes a block in, and the dtypes it keeps."""
+    fsdp = load("solutions/train/fsdp_training.py")
+    result = {}
+    for precision in ("fp32", "tf32", "bf16"):
+        torch.manual_seed(0)
+        model = fsdp.apply_fsdp(TransformerLM(get_config("tiny", vocab_size=97)), precision)
+        seen = []
+        model.layers["0"].mlp.in_proj.register_forward_hook(
+            lambda m, inputs, out: seen.append((m.weight.dtype, out.dtype)))
+        logits = model(torch.randint(97, (2, 8)))
+        result[precision] = dict(compute=seen[0], logits=logits.dtype,
+                                 master=model.layers["0"].mlp.in_proj.weight.dtype)
+    return result
+
+
+def test_fsdp_takes_its_mixed_precision_policy_from_the_precision_flag():
+    result = run_distributed(fsdp_compute_dtypes, 1, timeout=120)[0]
+    assert result["bf16"]["compute"] == (torch.bfloat16, torch.bfloat16)
+    for precision in ("fp32", "tf32"):
+        assert result[precision]["compute"] == (torch.float32, torch.float32)
+    for r in result.values():  # fp32 master weights and fp32 logits for the loss, always
+        assert r["master"] == r["logits"] == torch.float32
+
+
+def test_lightning_gets_bf16_mixed_for_bf16_and_32_true_otherwise():
+    assert lightning_precision("bf16") == "bf16-mixed"
+    assert lightning_precision("fp32") == lightning_precision("tf32") == "32-true"
+
+
+def test_the_lightning_trainer_gets_bf16_mixed_for_bf16_and_32_true_for_auto_on_cpu(monkeypatch,
+                                                                                  fp32_switch):
+    for var in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(var, raising=False)
+    lit = load("solutions/train/Lit_training.py")
+    args = argparse.Namespace(accelerator="cpu", device="cpu", devices=1, num_nodes=1,
+                              strategy="ddp", precision="bf16")
+    assert lit.trainer_settings(args)["precision"] == "bf16-mixed"
+    args.precision = "auto"
+    assert lit.trainer_settings(args)["precision"] == "32-true" and args.precision == "fp32"
+
+
+# ---- MFU divides by the peak of the dtype the matmuls run in -----------------------------
+
+@pytest.mark.parametrize("precision, peak", [("fp32", 67e12), ("tf32", 494.7e12),
+                                             ("bf16", 989.4e12)])
+def test_mfu_on_a_known_gpu_divides_by_the_data_sheet_peak_of_the_precision(monkeypatch,
+                                                                            precision, peak):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
+    expected = (peak, f"H100 data sheet ({matmul_dtype(precision)})")
+    assert metrics.peak_flops(CUDA, precision) == expected
+
+
+def test_mfu_on_a_cpu_measures_a_matmul_in_the_precision_and_tf32_there_is_fp32(monkeypatch):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    measured = []
+    monkeypatch.setattr(metrics, "measure_matmul_flops",
+                        lambda device, dtype: measured.append(dtype) or 1e9)
+    sources = [metrics.peak_flops(CPU, p)[1] for p in ("fp32", "tf32", "bf16")]
+    assert measured == [torch.float32, torch.float32, torch.bfloat16]
+    assert sources == ["measured float32 matmul on cpu"] * 2 + ["measured bfloat16 matmul on cpu"]
+
+
+def test_measuring_the_peak_leaves_the_training_random_numbers_alone():
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    metrics.measure_matmul_flops(CPU, torch.float32, n=64, seconds=0.01)
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_training_summary_reports_the_precision_and_its_peak(monkeypatch):
+    monkeypatch.setenv("PEAK_FLOPS", "1e12")
+    throughput = SimpleNamespace(tokens_per_s=lambda: 1000.0)
+    args = SimpleNamespace(precision="bf16", batch_size=2, preset="tiny")
+    summary = metrics.training_summary(
+        args, get_config("tiny", vocab_size=11), SimpleNamespace(source="synthetic"),
+        world_size=2, steps=1, loss_history=[], val_loss=1.0, test_loss=1.0,
+        throughput=throughput, flops_per_token=1e6, device=CPU, start_time=0.0)
+    assert summary["precision"] == "bf16"
+    assert summary["mfu"] == pytest.approx(1000.0 * 1e6 / (1e12 * 2))
+
+
+# ---- training with it --------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory, data_cache):
+    """The DDP solution, one process, 12 steps: fp32 and bf16 from the same start."""
+    tmp = tmp_path_factory.mktemp("precision")
+    env = script_env(cache_dir=data_cache)
+    for precision in ("fp32", "bf16"):
+        run_script("solutions/train/to_distributed_training.py", *COMMON, "--max-steps", 12,
+                   "--batch-size", 8, "--precision", precision, "--out-dir", tmp / precision,
+                   env=env)
+    return {p: read_summary(tmp / p) for p in ("fp32", "bf16")}
+
+
+def test_the_cpu_default_is_fp32_so_the_equivalence_tests_compare_fp32_runs(tmp_path, data_cache):
+    run_script("solutions/train/to_distributed_training.py", *COMMON, "--max-steps", 1,
+               "--out-dir", tmp_path, env=script_env(cache_dir=data_cache))
+    summary = read_summary(tmp_path)
+    assert summary["precision"] == "fp32" and "float32" in summary["peak_flops_source"]
+
+
+def test_bf16_on_cpu_trains_with_finite_losses_close_to_fp32(ddp_runs):
+    fp32, bf16 = ddp_runs["fp32"], ddp_runs["bf16"]
+    assert bf16["precision"] == "bf16" and "bfloat16" in bf16["peak_flops_source"]
+    losses = torch.tensor(bf16["loss_history"])
+    assert len(losses) == 12 and torch.isfinite(losses).all()
+    assert losses[-1] < losses[0] - 0.1  # it learns
+    # bf16 keeps 8 bits of mantissa: the losses differ, by far less than the learning
+    torch.testing.assert_close(losses, torch.tensor(fp32["loss_history"]), atol=0.05, rtol=0)
+    assert bf16["val_loss"] == pytest.approx(fp32["val_loss"], abs=0.05)
+
+
+def fused_and_foreach_adamw_on_fsdp_shards(rank, world_size):
+    """The GPU path (fused AdamW) on DTensor shards, run on CPU, where fused AdamW exists too."""
+    from torch.distributed.fsdp import fully_shard
+    result = {}
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = TransformerLM(get_config("tiny", vocab_size=97, dropout=0.0))
+        for block in model.layers.values():
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            batch = torch.randint(97, (4, 33), generator=g).chunk(world_size)[rank]
+            loss = F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+        result[fused] = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    return result
+
+
+@pytest.mark.slow
+def test_fused_adamw_steps_fsdp_shards_like_the_default_adamw():
+    result = run_distributed(fused_and_foreach_adamw_on_fsdp_shards, 2, timeout=120)[0]
+    assert result[True].keys() == result[False].keys()
+    for name, weight in result[False].items():  # AdamW magnifies rounding differences to ~1e-5
+        torch.testing.assert_close(result[True][name], weight, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_fsdp_with_bf16_uses_the_policy_and_tracks_the_fp32_run(tmp_path, data_cache):
+    env = script_env(cache_dir=data_cache)
+    for precision in ("fp32", "bf16"):
+        run_script("solutions/train/fsdp_training.py", *COMMON, "--max-steps", 6,
+                   "--batch-size", 4, "--precision", precision, "--out-dir", tmp_path / precision,
+                   nproc=2, env=env, timeout=180)
+    fp32, bf16 = read_summary(tmp_path / "fp32"), read_summary(tmp_path / "bf16")
+    assert bf16["precision"] == "bf16" and bf16["args"]["precision"] == "bf16"
+    torch.testing.assert_close(bf16["loss_history"], fp32["loss_history"], atol=0.05, rtol=0)
+
+
+@pytest.mark.slow
+def test_compile_trains_like_eager(tmp_path, data_cache):
+    """torch.compile on CPU works but compiles slowly: once, on the tiny model, 3 steps."""
+    env = script_env(cache_dir=data_cache)
+    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
+        run_script("solutions/train/to_distributed_training.py", *COMMON, "--max-steps", 3,
+                   "--batch-size", 4, *extra, "--out-dir", tmp_path / name, env=env, timeout=280)
+    eager, compiled = read_summary(tmp_path / "eager"), read_summary(tmp_path / "compiled")
+    assert compiled["args"]["compile"] is True
+    torch.testing.assert_close(compiled["loss_history"], eager["loss_history"], atol=1e-4, rtol=0)
+    # the checkpoint keys are the plain model's: compiling blocks in place adds no prefix
+    keys = torch.load(tmp_path / "compiled" / "final_model.pt", weights_only=True).keys()
+    assert keys == torch.load(tmp_path / "eager" / "final_model.pt", weights_only=True).keys()

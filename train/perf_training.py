@@ -1,0 +1,197 @@
+"""Make one GPU fast: measure, profile, then fix. The performance step of the course.
+
+As shipped, this script is the finished DDP step with every speed-up taken out: plain fp32, as
+PyTorch computes by default. On an H100 that is about 80,000 tokens/s for the workshop model,
+8 % of what the GPU's bf16 tensor cores could do. Do the TODOs in order (41 to 47 here, the last in
+perf_training.sbatch): first measure (tokens/s and MFU while training), then look (a
+torch.profiler trace, NVTX ranges for Nsight Systems), then apply the fixes one at a time and
+watch each in the numbers: TF32 and bf16 (TODO 45), the fused AdamW (TODO 46), torch.compile
+(TODO 47), and a bigger batch (--batch-size, no code). docs/performance.md has the numbers to
+expect. Check your work with
+    diff -u train/perf_training.py solutions/train/perf_training.py
+
+Run it (one GPU is enough; a laptop CPU runs it too, slowly, and has no TF32):
+    python train/perf_training.py --preset tiny --max-steps 30 --profile         # laptop CPU
+    sbatch perf_training.sbatch --precision fp32 --max-steps 200 --profile       # one GPU
+    sbatch perf_training.sbatch --precision bf16 --max-steps 200                 # after TODO 45
+    sbatch perf_training.sbatch --precision bf16 --compile --batch-size 128 --max-steps 200
+    NSYS=1 sbatch perf_training.sbatch --max-steps 50      # after the sbatch TODO: Nsight Systems
+Open OUT_DIR/profile/*.pt.trace.json in https://ui.perfetto.dev (or TensorBoard's profiler).
+"""
+
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+from model import TransformerLM, get_config
+from utils.args import base_parser
+from utils.data import IGNORE_INDEX, DistributedEvalSampler, TokenWindows, load_corpus_or_exit
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     print0, save0, setup)
+from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
+                           training_summary, write_summary)
+from utils.precision import set_precision
+# TODO 41: Import what measuring, profiling and the fixes need: synchronize (time the GPU
+# honestly), peak_flops (what MFU divides by), torch.profiler, contextlib (for ranges made of
+# several context managers), and autocast and compile_blocks from utils/precision.py.
+
+
+# TODO 43: A bounded profiling window. The profiler skips `wait` steps (the first steps
+# allocate memory and, with --compile, compile), runs `warmup` steps without recording (its own
+# start-up cost), then records `active` steps and writes one trace. A run with fewer steps than
+# that would end before the trace is written: shrink the window, or say that nothing can be
+# profiled (which also happens when a run is too short for anything to be worth looking at).
+
+
+# TODO 44: Named ranges for the phases of a step. record_function puts them into the
+# profiler's trace; on a GPU, NVTX ranges put them into an Nsight Systems timeline (nsys), next
+# to the kernels and NCCL calls they launched. On a CPU there is no NVTX: only the first.
+
+
+def parse_args():
+    parser = base_parser(__file__, __doc__)
+    # TODO 43: An option to profile.
+    return parser.parse_args()
+
+
+def main():
+    args = parse_args()
+    out_dir = Path(args.out_dir)
+    start_time = time.time()
+
+    local_rank, rank, device, world_size = setup(args.seed, args.device)
+    # TODO 45: Honour --precision (auto: bf16 on a GPU that has it). set_precision also turns
+    # the TF32 switch on for tf32: fp32 tensors, but matmuls on the tensor cores with 10-bit
+    # mantissas. bf16 needs more: autocast around the forward pass and the loss (below).
+    args.precision = set_precision("fp32", device)
+
+    # ---- data ----
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     dropout=args.dropout)
+    train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
+                                 for tokens in (corpus.train, corpus.valid, corpus.test))
+    train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
+                                       shuffle=True, seed=args.seed, drop_last=True)
+    val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
+    test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)
+    loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
+                       pin_memory=device.type == "cuda")
+    train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
+    val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
+    test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
+
+    # ---- model and optimizer ----
+    model = TransformerLM(cfg).to(device)
+    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,
+                                    cfg.d_model, cfg.max_seq_len)
+    print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
+           f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
+           f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}; "
+           f"precision {args.precision}")
+    # TODO 47: With --compile, compile the Transformer blocks (compile_blocks): the first steps
+    # get slower (compilation), the later ones faster (fused kernels, less memory traffic).
+    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # TODO 46: The fused AdamW updates all parameters in one GPU kernel instead of several
+    # kernels per parameter; for a small model, the default spends much of a step launching them.
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+
+    # TODO 42: Measure while training: the peak FLOP/s of this device in the dtype the matmuls
+    # run in (the data sheet of a known GPU, else a measured matmul), to turn tokens/s into MFU.
+    # TODO 43: Start the profiler with a window that fits into the steps this run will take.
+
+    # ---- training ----
+    throughput = Throughput(device)
+    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
+    for epoch in range(args.epochs):
+        train_sampler.set_epoch(epoch)
+        first_step = step
+        # TODO 42: tokens since the last report, and when that interval started
+        for x, y in train_loader:
+            if step == args.max_steps:
+                break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            # TODO 44: Name the phases: forward (with the loss), backward, optimizer step, and
+            # the communication of the loss. (DDP's gradient all-reduce runs inside backward,
+            # overlapped with it: the trace shows it on its own stream.)
+            # TODO 45: For bf16, run the forward pass and the loss under autocast(args.precision,
+            # device): the weights stay fp32, the matmuls run in bf16.
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            step += 1
+            throughput.step(x.numel() * world_size)
+            # TODO 44: communication
+            step_loss = all_reduce_mean(loss.detach())
+            loss_history.append(step_loss)
+            # TODO 43: Tell the profiler that a step is done.
+            # TODO 42: Report tokens/s and MFU of the last interval with the loss. A GPU runs
+            # behind the Python code: synchronize before reading the clock, or the time is only
+            # how long it took to queue the work.
+            if step % args.log_every == 0:
+                # TODO 42: the report
+                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
+                logger.log({"train/loss": step_loss.item()}, step)
+
+        throughput.pause()  # evaluation time is not training time
+        val_loss = evaluate(model, val_loader, device)
+        train_loss = torch.stack(loss_history[first_step:]).mean().item() if step > first_step \
+            else math.nan
+        print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
+               f"perplexity {perplexity(val_loss):.1f}")
+        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
+                    "val/ppl": perplexity(val_loss)}, step)
+        if val_loss < best_val:
+            best_val = val_loss
+            save0(model, out_dir / "best_model.pt")
+        if step == args.max_steps:
+            break
+    # TODO 43: Stop the profiler (a run that ends early still writes what it has recorded) and
+    # print the operators that took the most time: the first place to look.
+
+    # ---- evaluation, saving, summary ----
+    test_loss = evaluate(model, test_loader, device)
+    summary = training_summary(
+        args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
+        val_loss=val_loss, test_loss=test_loss, throughput=throughput,
+        flops_per_token=flops_per_tok, device=device, start_time=start_time,
+        compile=args.compile)
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
+           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%} "
+           f"({summary['precision']}), peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
+    save0(model, out_dir / "final_model.pt")
+    write_summary(out_dir, summary)
+    logger.close()
+    del model, optimizer
+    destroy_process_group()
+
+
+@torch.no_grad()
+def evaluate(model, loader, device):
+    """Token-weighted mean loss over a whole split."""
+    # No autocast here: the loss of the fp32 weights, comparable between --precision settings.
+    model.eval()
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    tokens = torch.zeros((), device=device, dtype=torch.float64)
+    for x, y in loader:
+        x, y = x.to(device), y.to(device)
+        logits = model(x)
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
+                                    ignore_index=IGNORE_INDEX)
+        tokens += (y != IGNORE_INDEX).sum()
+    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
+    model.train()
+    return (loss_sum / tokens).item()
+
+
+if __name__ == "__main__":
+    main()
