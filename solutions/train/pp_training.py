@@ -260,7 +260,7 @@ def main():
     if idle_history:  # the bubble: the measured idle share of every stage next to the theory
         # The median idle share of this stage's steps (the first one also sets the pipeline up),
         # gathered from every stage.
-        idle = torch.tensor(idle_history[1:] or idle_history).median().item()
+        idle = torch.tensor(idle_history[1:] or idle_history, device=device).median().item()
         idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
                                            device=device))
         bubble = pipeline_bubble_fraction(num_stages, args.microbatches)
