@@ -221,11 +221,14 @@ def submit_perf_sbatch(tmp_path, sbatch, **env):
 
 
 def test_the_sbatch_file_runs_the_script_plainly_and_under_nsys_only_with_nsys_1(tmp_path):
-    plain = submit_perf_sbatch(tmp_path / "a", "solutions/perf_training.sbatch")
+    # SCRIPT picks the solution, as for the other sbatch files (the default is train/'s)
+    solution = "solutions/train/perf_training.py"
+    plain = submit_perf_sbatch(tmp_path / "a", "solutions/perf_training.sbatch", SCRIPT=solution)
     assert "nsys" not in plain
-    script = plain.index("solutions/train/perf_training.py")
+    script = plain.index(solution)
     assert plain[script - 2:script] == ["python", "-u"] and plain[-2:] == ["--max-steps", "50"]
-    traced = submit_perf_sbatch(tmp_path / "b", "solutions/perf_training.sbatch", NSYS="1")
+    traced = submit_perf_sbatch(tmp_path / "b", "solutions/perf_training.sbatch", NSYS="1",
+                                SCRIPT=solution)
     out_dir = tmp_path / "b" / "runs" / "perf-7"
     start = traced.index("nsys")
     assert traced[start:start + 6] == ["nsys", "profile", "-t", "cuda,nvtx,nccl", "-o",
