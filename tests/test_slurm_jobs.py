@@ -58,6 +58,8 @@ CASES = [
     SbatchCase("solutions/Lit_training.sbatch", nodes=2, world_size=4),
     # one stage per rank, and the tiny model has 2 layers: one process per node
     SbatchCase("solutions/pp_training.sbatch", nodes=2, world_size=2, procs_per_node=1),
+    # the performance step: one process on one GPU (here the CPU: --precision auto is fp32)
+    SbatchCase("solutions/perf_training.sbatch", nodes=1, world_size=1),
     SbatchCase("solutions/nd_training.sbatch", nodes=2, world_size=4),
 ]
 
