@@ -340,7 +340,7 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
         variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
         "--out-dir", out, "--max-steps", "100000000", "--epochs", "100000",
         "--checkpoint-every", "3", output=out / "job.out", sbatch_options=["--nodes=2"],
-        env={**job_env, "OUT_DIR": out})
+        env={**job_env, "OUT_DIR": out, "SCRIPT": "solutions/train/fsdp_training.py"})
     last = out / "checkpoints" / "last"
     deadline = time.monotonic() + 120
     while not (last / "train_state.json").is_file():
