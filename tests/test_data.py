@@ -1,9 +1,11 @@
-"""WikiText-2 data: vocabulary, windows, samplers, cache, and the offline error."""
+"""WikiText data: vocabulary and its cap, windows, samplers, cache, and the offline errors."""
 
+import hashlib
 import math
 import subprocess
 import sys
 import time
+import types
 from collections import Counter
 
 import pytest
@@ -11,8 +13,9 @@ import torch
 
 from conftest import ROOT, run_script, script_env
 from utils import data
+from utils.args import base_parser
 from utils.data import (EOS, IGNORE_INDEX, UNK, DataUnavailableError, DistributedEvalSampler,
-                        TokenWindows, load_corpus)
+                        TokenWindows, hub_cache_file, load_corpus)
 
 
 @pytest.fixture
@@ -44,6 +47,71 @@ def test_the_official_wiki_tokens_file_names_are_read_too(text_dir, tmp_path):
     for split in ("train", "valid", "test"):
         (text_dir / f"{split}.txt").rename(text_dir / f"wiki.{split}.tokens")
     assert load_corpus("auto", text_dir, tmp_path / "cache").vocab_size == 10
+
+
+def write_splits(folder, train, valid="", test=""):
+    folder.mkdir()
+    for split, text in (("train", train), ("valid", valid), ("test", test)):
+        (folder / f"{split}.txt").write_text(text)
+    return folder
+
+
+def test_a_vocabulary_cap_keeps_the_most_frequent_training_words_and_the_rest_become_unk(tmp_path):
+    text = write_splits(tmp_path / "text", train="a a a b b c \n a b d \n", valid="d b a \n")
+    corpus = load_corpus("wikitext-2", text, tmp_path / "cache", max_vocab=4)
+    assert corpus.vocab == [UNK, EOS, "a", "b"] and corpus.vocab_size == 4
+    assert [corpus.vocab[i] for i in corpus.train] == ["a", "a", "a", "b", "b", UNK, EOS,
+                                                       "a", "b", UNK, EOS]
+    assert [corpus.vocab[i] for i in corpus.valid] == [UNK, "b", "a", EOS]
+
+
+def test_wikitext103_is_capped_at_32768_words_by_default_and_wikitext2_is_not(tmp_path):
+    words = " ".join(f"w{i}" for i in range(33_000))
+    text = write_splits(tmp_path / "text", train=f"{words} \n{words} w0 \n", valid="w1 \n")
+    assert load_corpus("wikitext-103", text, tmp_path / "cache").vocab_size == 32_768
+    assert load_corpus("wikitext-2", text, tmp_path / "cache").vocab_size == 33_002
+
+
+def test_each_vocabulary_cap_has_its_own_cache_file(text_dir, tmp_path):
+    cache = tmp_path / "cache"
+    for max_vocab in (None, 5, 5, 6):
+        load_corpus("wikitext-2", text_dir, cache, max_vocab=max_vocab)
+    assert len(list(cache.glob("*.pt"))) == 3
+    assert hub_cache_file(cache, "wikitext-103", 50_000) != hub_cache_file(cache, "wikitext-103")
+
+
+def test_the_wikitext2_cache_file_keeps_the_name_it_had_before_caps_existed(tmp_path):
+    old_key = "1:hub:Salesforce/wikitext:wikitext-2-v1"  # CACHE_FORMAT:hub:HUB_NAME:HUB_CONFIG
+    old_name = f"wikitext-2-{hashlib.sha256(old_key.encode()).hexdigest()[:16]}.pt"
+    assert hub_cache_file(tmp_path) == hub_cache_file(tmp_path, "wikitext-2") == tmp_path / old_name
+    assert hub_cache_file(tmp_path, "wikitext-103").name.startswith("wikitext-103-")
+
+
+def test_wikitext103_is_downloaded_as_its_own_hub_configuration_and_cached(tmp_path, monkeypatch):
+    calls = []
+
+    def load_dataset(*args, **kwargs):  # stands in for datasets.load_dataset: no network
+        calls.append((args, kwargs))
+        return {s: {"text": [" the cat sat \n", " the dog \n"]} for s in ("train", "validation", "test")}
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    monkeypatch.setattr(data, "hub_reachable", lambda: True)
+    cache = tmp_path / "cache"
+    corpus = load_corpus("wikitext-103", cache_dir=cache)
+    assert [args for args, _ in calls] == [("Salesforce/wikitext", "wikitext-103-v1")]
+    assert corpus.source == "hub:Salesforce/wikitext:wikitext-103-v1" and corpus.vocab_size == 6
+    assert hub_cache_file(cache, "wikitext-103").is_file()
+    monkeypatch.setattr(data, "hub_reachable", lambda: False)
+    assert torch.equal(load_corpus("wikitext-103", cache_dir=cache).train, corpus.train)
+    assert len(calls) == 1  # the second load read the cache
+
+
+def test_a_max_vocab_below_two_stops_the_script_with_one_argparse_line(capsys):
+    with pytest.raises(SystemExit) as stop:
+        base_parser("train.py", None).parse_args(["--max-vocab", "0"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1
+    assert ": error: argument --max-vocab: 0 is not allowed" in err
 
 
 def test_a_folder_without_the_split_files_is_refused_with_the_names_it_needs(tmp_path):
@@ -125,11 +193,16 @@ def test_several_processes_building_the_cache_at_once_leave_one_good_file(tmp_pa
     assert str(len(corpus.train)) == outputs.pop().strip()
 
 
-def test_without_cache_and_hub_wikitext2_is_refused_with_the_prepare_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("dataset, prepare", [
+    ("wikitext-2", "python prepare_data.py"),
+    ("wikitext-103", "python prepare_data.py --dataset wikitext-103"),
+])
+def test_without_cache_and_hub_a_hub_dataset_is_refused_with_the_prepare_step(
+        tmp_path, monkeypatch, dataset, prepare):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cache = tmp_path / "cache"
-    with pytest.raises(DataUnavailableError, match="run `python prepare_data.py` on a login node"):
-        load_corpus("wikitext-2", cache_dir=cache)
+    with pytest.raises(DataUnavailableError, match=f"run `{prepare}` on a login node"):
+        load_corpus(dataset, cache_dir=cache)
     assert not cache.exists() or not any(cache.iterdir())
 
 
@@ -148,14 +221,29 @@ def test_the_hub_check_answers_at_once_when_offline_variables_are_set(monkeypatc
     assert time.perf_counter() - start < 0.1
 
 
-def test_a_training_run_without_data_stops_at_once_with_one_line(tmp_path):
-    proc = run_script("train/to_distributed_training.py", "--dataset", "wikitext-2",
+@pytest.mark.parametrize("dataset, title, prepare", [
+    ("wikitext-2", "WikiText-2", "`python prepare_data.py`"),
+    ("wikitext-103", "WikiText-103", "`python prepare_data.py --dataset wikitext-103`"),
+])
+def test_a_training_run_without_data_stops_at_once_with_one_line(tmp_path, dataset, title, prepare):
+    proc = run_script("train/to_distributed_training.py", "--dataset", dataset,
                       "--out-dir", tmp_path / "run", env=script_env(cache_dir=tmp_path / "cache"),
                       check=False, timeout=60)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]  # exactly one line
-    assert proc.stderr.startswith("error: WikiText-2 is not cached") and "prepare_data.py" in proc.stderr
+    assert proc.stderr.startswith(f"error: {title} is not cached") and prepare in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("dataset, title", [("wikitext-2", "WikiText-2"),
+                                            ("wikitext-103", "WikiText-103")])
+def test_prepare_data_offline_says_in_one_line_that_it_downloaded_nothing(tmp_path, dataset, title):
+    proc = subprocess.run([sys.executable, "prepare_data.py", "--dataset", dataset,
+                           "--cache-dir", str(tmp_path / "cache")], cwd=ROOT, env=script_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1
+    assert f"hub is not reachable from here, so {title} was not downloaded" in proc.stderr
 
 
 def test_prepare_data_tokenises_local_files_into_the_cache_training_then_uses(tmp_path, text_dir):

@@ -219,7 +219,8 @@ def main():
     L.seed_everything(args.seed, verbose=False)  # the same weights on every rank (and as plain)
 
     # ---- data ----
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
+                                 max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
     data = WikiText2DataModule(corpus, cfg.max_seq_len, args.batch_size, args.num_workers, args.seed)

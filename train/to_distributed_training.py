@@ -53,7 +53,8 @@ def main():
 
     # ---- data ----
     # TODO 9: Print on rank 0 only: replace print by print0 here and in the TODO 9 lines below.
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print,
+                                 max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
     check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 from model import PRESETS
+from utils.data import DATASETS
 
 
 # ---- argparse types: a bad value stops the run at once with one line naming the flag ----
@@ -49,6 +50,16 @@ def probability(text: str) -> float:
     value = _float(text)
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not allowed: give a number from 0 to below 1")
+    return value
+
+
+def vocab_cap(text: str) -> int:
+    """An int of at least 2 (--max-vocab: the vocabulary always holds <unk> and <eos>)."""
+    value = _int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not allowed: give a whole number of at least 2 (<unk> and <eos> "
+            "are always in the vocabulary)")
     return value
 
 
@@ -111,11 +122,15 @@ def base_parser(script: str, description: str | None) -> argparse.ArgumentParser
     p = OneLineParser(description=description,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
-    data.add_argument("--dataset", choices=["auto", "wikitext-2", "synthetic"], default="auto",
+    data.add_argument("--dataset", choices=list(DATASETS), default="auto",
                       help="auto: WikiText-2 if cached, given by --data-dir or downloadable, "
-                           "else the synthetic corpus (with a warning)")
+                           "else the synthetic corpus (with a warning); wikitext-103: 50x "
+                           "the text, for scaling runs (prepare_data.py --dataset wikitext-103)")
     data.add_argument("--data-dir", help="folder with train.txt/valid.txt/test.txt "
                                          "(or wiki.{train,valid,test}.tokens)")
+    data.add_argument("--max-vocab", type=vocab_cap, default=None, metavar="N",
+                      help="keep the N most frequent training words, the others become <unk> "
+                           "(default: 32768 for wikitext-103, no cap otherwise)")
     data.add_argument("--cache-dir", help="tokenised-data cache (default $COURSE_DATA_CACHE "
                                           "or data_cache/ in the repository)")
     data.add_argument("--seq-len", type=positive_int, default=None,

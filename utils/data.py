@@ -1,24 +1,28 @@
-"""WikiText-2 (word level) as token tensors, and the windows the model trains on.
+"""WikiText-2 or WikiText-103 (word level) as token tensors, and the windows the model trains on.
 
 Three sources give the same `Corpus`:
-- the Hugging Face hub (`Salesforce/wikitext`, `wikitext-2-v1`): the cluster path. Run
-  `python prepare_data.py` once on a login node; compute nodes then read the cache offline;
+- the Hugging Face hub (`Salesforce/wikitext`, `wikitext-2-v1` or `wikitext-103-v1`): the
+  cluster path. Run `python prepare_data.py [--dataset wikitext-103]` once on a login node;
+  compute nodes then read the cache offline;
 - a local folder with train/valid/test text files (`train.txt`... or `wiki.train.tokens`...);
 - a synthetic corpus generated on the fly, for fully offline smoke tests.
 
-Tokenisation is the standard one for WikiText-2 (as in PyTorch's word-language-model example):
+Tokenisation is the standard one for WikiText (as in PyTorch's word-language-model example):
 split each line on white space and end it with `<eos>`. The vocabulary comes from the training
-split only; other words become `<unk>`. The tokenised corpus is cached in one file per source,
-written atomically, so every later run and every rank loads it in a fraction of a second.
+split only, optionally capped at its most frequent words (`max_vocab`, by default only for
+WikiText-103); other words become `<unk>`. The tokenised corpus is cached in one file per source
+and cap, written atomically, so every later run and every rank loads it in a fraction of a second.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import socket
 import sys
 import threading
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +35,26 @@ from utils.distributed_utils import atomic_torch_save, is_root_process
 UNK, EOS = "<unk>", "<eos>"
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
 SPLITS = ("train", "valid", "test")
-HUB_NAME, HUB_CONFIG = "Salesforce/wikitext", "wikitext-2-v1"
+HUB_NAME = "Salesforce/wikitext"
 CACHE_FORMAT = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    title: str             # how messages name it
+    config: str            # the configuration of HUB_NAME on the hub
+    max_vocab: int | None  # the default vocabulary cap (None: every word of the training split)
+
+
+# WikiText-103 has 267k distinct words: a 267k x 768 embedding and output layer would dominate
+# the model, and its logits (batch 32 x 256 x 267k in fp32) would take 8.7 GB. Capped near
+# WikiText-2's 33,278 words, the model and its FLOPs per token stay almost the same.
+HUB_DATASETS = {
+    "wikitext-2": HubDataset("WikiText-2", "wikitext-2-v1", None),
+    "wikitext-103": HubDataset("WikiText-103", "wikitext-103-v1", 32768),
+}
+DATASETS = ("auto", *HUB_DATASETS, "synthetic")
 
 
 class DataUnavailableError(RuntimeError):
@@ -57,30 +78,45 @@ class Corpus:
 # Tokenisation and vocabulary
 
 
-def tokenize(lines) -> list[str]:
-    words = []
+def count_words(lines) -> Counter:
+    counts = Counter()
     for line in lines:
-        words.extend(line.split())
-        words.append(EOS)
-    return words
+        counts.update(line.split())
+    return counts
 
 
-def build_vocab(train_words: list[str]) -> list[str]:
-    """`<unk>` and `<eos>` first, then the training words by falling frequency."""
-    counts = Counter(w for w in train_words if w not in (UNK, EOS))
-    return [UNK, EOS] + [w for w, _ in counts.most_common()]
+def build_vocab(counts: Counter, max_vocab: int | None = None) -> list[str]:
+    """`<unk>` and `<eos>` first, then the training words by falling frequency.
+
+    With `max_vocab` only the most frequent words are kept, `max_vocab` entries in all; equally
+    frequent words at the cut keep the order in which the text first used them.
+    """
+    if max_vocab is not None and max_vocab < 2:
+        raise ValueError(f"max_vocab {max_vocab} leaves no room for {UNK} and {EOS}")
+    words = (w for w, _ in counts.most_common() if w not in (UNK, EOS))
+    kept = None if max_vocab is None else max_vocab - 2
+    return [UNK, EOS, *itertools.islice(words, kept)]
 
 
-def encode(words: list[str], vocab: list[str]) -> torch.Tensor:
+def encode(lines, vocab: list[str]) -> torch.Tensor:
+    """The ids of each line's words and its `<eos>`, collected line by line into one int64
+    array: WikiText-103's 103M words as a list of strings would take several GB."""
     stoi = {w: i for i, w in enumerate(vocab)}
-    unk = stoi[UNK]
-    return torch.tensor([stoi.get(w, unk) for w in words], dtype=torch.long)
+    unk, eos = stoi[UNK], stoi[EOS]
+    ids = array("q")  # int64, 8 bytes per token
+    for line in lines:
+        ids.extend([stoi.get(w, unk) for w in line.split()])
+        ids.append(eos)
+    if not ids:  # torch.frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=torch.long)
+    return torch.frombuffer(ids, dtype=torch.long)  # shares the array's memory: no second copy
 
 
-def build_corpus(split_lines: dict[str, list[str]], source: str) -> Corpus:
-    words = {split: tokenize(split_lines[split]) for split in SPLITS}
-    vocab = build_vocab(words["train"])
-    return Corpus(vocab, *(encode(words[s], vocab) for s in SPLITS), source=source)
+def build_corpus(split_lines: dict[str, list[str]], source: str,
+                 max_vocab: int | None = None) -> Corpus:
+    """Word counts first, then ids, line by line: no list of all the words is ever built."""
+    vocab = build_vocab(count_words(split_lines["train"]), max_vocab)
+    return Corpus(vocab, *(encode(split_lines[s], vocab) for s in SPLITS), source=source)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,11 +153,11 @@ def read_text_file(path: Path) -> str:
             f"convert the file, e.g. iconv -f latin1 -t utf-8 {path.name} > {path.stem}.utf8.txt") from None
 
 
-def read_hub_splits(cache_dir: Path) -> dict[str, list[str]]:
+def read_hub_splits(cache_dir: Path, config: str) -> dict[str, list[str]]:
     from datasets import load_dataset  # imported here: only the download path needs it
 
     # Keep Hugging Face's own download cache next to ours, not in $HOME (small quota on clusters).
-    ds = load_dataset(HUB_NAME, HUB_CONFIG, cache_dir=str(cache_dir / "huggingface"))
+    ds = load_dataset(HUB_NAME, config, cache_dir=str(cache_dir / "huggingface"))
     return {s: ds[{"valid": "validation"}.get(s, s)]["text"] for s in SPLITS}
 
 
@@ -230,68 +266,104 @@ def _cached(cache_dir: Path, name: str, key: str, build, warn=None) -> Corpus:
     return corpus
 
 
-def hub_cache_file(cache_dir: Path) -> Path:
-    return _cache_file(cache_dir, "wikitext-2", f"hub:{HUB_NAME}:{HUB_CONFIG}")
+def resolve_max_vocab(dataset: str, max_vocab: int | None) -> int | None:
+    """The vocabulary cap in effect: `max_vocab` if given, else the dataset's default."""
+    if max_vocab is not None:
+        return max_vocab
+    return HUB_DATASETS[dataset].max_vocab if dataset in HUB_DATASETS else None
+
+
+def _vocab_key(max_vocab: int | None) -> str:
+    # Uncapped corpora keep the keys they had before caps existed, so their caches stay valid.
+    return "" if max_vocab is None else f":max_vocab={max_vocab}"
+
+
+def hub_cache_file(cache_dir: Path, dataset: str = "wikitext-2",
+                   max_vocab: int | None = None) -> Path:
+    """The cache file of a hub dataset; `max_vocab` None means the dataset's default cap."""
+    config = HUB_DATASETS[dataset].config
+    max_vocab = resolve_max_vocab(dataset, max_vocab)
+    return _cache_file(cache_dir, dataset, f"hub:{HUB_NAME}:{config}{_vocab_key(max_vocab)}")
+
+
+def prepare_command(dataset: str, max_vocab: int | None = None) -> str:
+    """The prepare_data.py command that caches this hub dataset with this cap."""
+    command = "python prepare_data.py"
+    if dataset != "wikitext-2":
+        command += f" --dataset {dataset}"
+    max_vocab = resolve_max_vocab(dataset, max_vocab)
+    if max_vocab != HUB_DATASETS[dataset].max_vocab:
+        command += f" --max-vocab {max_vocab}"
+    return command
 
 
 def load_corpus(dataset: str = "auto", data_dir: str | None = None,
-                cache_dir: str | os.PathLike | None = None, warn=None) -> Corpus:
-    """The corpus for `dataset` in {"auto", "wikitext-2", "synthetic"}.
+                cache_dir: str | os.PathLike | None = None, warn=None,
+                max_vocab: int | None = None) -> Corpus:
+    """The corpus for `dataset` in {"auto", "wikitext-2", "wikitext-103", "synthetic"}.
 
-    - `data_dir` given: the text files there (for "auto" and "wikitext-2").
-    - "wikitext-2": the cached hub download, downloading it if the hub is reachable;
-      otherwise DataUnavailableError telling to run prepare_data.py on a login node.
+    - `data_dir` given: the text files there (for all but "synthetic").
+    - "wikitext-2", "wikitext-103": the cached hub download, downloading it if the hub is
+      reachable; otherwise DataUnavailableError telling to run prepare_data.py on a login node.
     - "auto": like "wikitext-2", but without cache and hub it falls back to the synthetic
       corpus and calls `warn` with one line.
+    - `max_vocab`: keep only the most frequent training words (None: the dataset's default,
+      32768 entries for WikiText-103, no cap otherwise).
     """
-    if dataset not in ("auto", "wikitext-2", "synthetic"):
-        raise DataUnavailableError(f"unknown dataset {dataset!r}: use auto, wikitext-2 or synthetic")
+    if dataset not in DATASETS:
+        raise DataUnavailableError(f"unknown dataset {dataset!r}: use {', '.join(DATASETS)}")
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    max_vocab = resolve_max_vocab(dataset, max_vocab)
     if dataset == "synthetic":
-        return _cached(cache_dir, "synthetic", "synthetic:v1",
-                       lambda: build_corpus(synthetic_splits(), "synthetic"), warn)
+        return _cached(cache_dir, "synthetic", "synthetic:v1" + _vocab_key(max_vocab),
+                       lambda: build_corpus(synthetic_splits(), "synthetic", max_vocab), warn)
     if data_dir:
         files = local_split_files(data_dir)
         digest = hashlib.sha256()
         for s in SPLITS:
             digest.update(files[s].read_bytes())
-        return _cached(cache_dir, Path(data_dir).resolve().name, f"local:{digest.hexdigest()}",
-                       lambda: build_corpus(read_local_splits(files), f"local:{data_dir}"), warn)
+        return _cached(cache_dir, Path(data_dir).resolve().name,
+                       f"local:{digest.hexdigest()}{_vocab_key(max_vocab)}",
+                       lambda: build_corpus(read_local_splits(files), f"local:{data_dir}",
+                                            max_vocab), warn)
+    hub = "wikitext-2" if dataset == "auto" else dataset
+    title, prepare = HUB_DATASETS[hub].title, prepare_command(hub, max_vocab)
     try:
-        corpus = _load_cached(hub_cache_file(cache_dir))
+        corpus = _load_cached(hub_cache_file(cache_dir, hub, max_vocab))
     except CorruptCacheError as e:
         if not hub_reachable():  # only a download rebuilds it: say where and how
             raise DataUnavailableError(
-                f"{e}: rebuild it with `python prepare_data.py` on a login node (with "
-                "internet)") from None
-        (warn or print)(f"WARNING: {e}: downloading WikiText-2 again")
-        return download_wikitext2(cache_dir)
+                f"{e}: rebuild it with `{prepare}` on a login node (with internet)") from None
+        (warn or print)(f"WARNING: {e}: downloading {title} again")
+        return download_hub_corpus(cache_dir, hub, max_vocab)
     if corpus is not None:
         return corpus
     if hub_reachable():
-        return download_wikitext2(cache_dir)
+        return download_hub_corpus(cache_dir, hub, max_vocab)
     if dataset == "auto":
         (warn or print)(
             f"WARNING: WikiText-2 is neither cached in {cache_dir} nor downloadable (no hub "
             "access): training on the SYNTHETIC corpus. Use --data-dir DIR or run prepare_data.py.")
-        return load_corpus("synthetic", cache_dir=cache_dir)
+        return load_corpus("synthetic", cache_dir=cache_dir, max_vocab=max_vocab)
     raise DataUnavailableError(
-        f"WikiText-2 is not cached in {cache_dir} and the Hugging Face hub is not reachable "
-        "from this node: run `python prepare_data.py` on a login node (with internet) first, "
+        f"{title} is not cached in {cache_dir} and the Hugging Face hub is not reachable "
+        f"from this node: run `{prepare}` on a login node (with internet) first, "
         "or pass --data-dir DIR with train.txt/valid.txt/test.txt")
 
 
-def download_wikitext2(cache_dir: Path) -> Corpus:
-    path = hub_cache_file(cache_dir)
-    corpus = build_corpus(read_hub_splits(cache_dir), f"hub:{HUB_NAME}:{HUB_CONFIG}")
-    _save_cached(corpus, path)
+def download_hub_corpus(cache_dir: Path, dataset: str, max_vocab: int | None = None) -> Corpus:
+    config = HUB_DATASETS[dataset].config
+    corpus = build_corpus(read_hub_splits(cache_dir, config), f"hub:{HUB_NAME}:{config}",
+                          resolve_max_vocab(dataset, max_vocab))
+    _save_cached(corpus, hub_cache_file(cache_dir, dataset, max_vocab))
     return corpus
 
 
-def load_corpus_or_exit(dataset: str, data_dir: str | None, cache_dir: str | None, warn=None) -> Corpus:
+def load_corpus_or_exit(dataset: str, data_dir: str | None, cache_dir: str | None, warn=None,
+                        max_vocab: int | None = None) -> Corpus:
     """load_corpus for command-line scripts: a data problem ends the run with one line."""
     try:
-        return load_corpus(dataset, data_dir, cache_dir, warn=warn)
+        return load_corpus(dataset, data_dir, cache_dir, warn=warn, max_vocab=max_vocab)
     except DataUnavailableError as e:
         sys.exit(f"error: {e}")
 

@@ -136,7 +136,8 @@ def main():
     #| end
 
     # ---- data ----
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
+                                 max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)

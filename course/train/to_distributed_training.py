@@ -66,9 +66,11 @@ def main():
     # ---- data ----
     # TODO 9: Print on rank 0 only: replace print by print0 here and in the TODO 9 lines below.
     #| exercise
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print,
+                                 max_vocab=args.max_vocab)
     #| solution
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
+                                 max_vocab=args.max_vocab)
     #| end
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)

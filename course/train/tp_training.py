@@ -136,7 +136,8 @@ def main():
     args.precision = set_precision(args.precision, device)
 
     # ---- data ----
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
+                                 max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
     # TODO 26: Check that the model and the world can be split, check_tp_degree(args.tp,
