@@ -8,11 +8,14 @@ GPUs, the 4- and 8-stage layouts of the pipeline and the capstone 4 and 8.
 
 On GPUs the comparisons allow rel 1e-4 instead of the CPU suite's 1e-5: a batch split over
 ranks or microbatches runs other cuBLAS kernels (other summation orders), and the embedding's
-backward adds with atomics in no fixed order. TF32 stays off, so this is float32 rounding.
+backward adds with atomics in no fixed order. The comparisons run with --precision fp32 (TF32
+off), so this is float32 rounding; the smoke tests on one GPU run the default, --precision auto,
+which is bf16 on GPUs that have it.
 """
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -38,10 +41,11 @@ def needs_gpus(n: int):
                               reason=f"needs {n} GPUs")
 
 
-def run(script, out, *args, nproc=1, cache=None, torchrun=True, timeout=600):
-    """A script on GPUs (one per process, under torchrun) with the tiny preset; its summary."""
-    run_script(script, *COMMON, *args, "--out-dir", out, nproc=nproc, torchrun=torchrun,
-               env=gpu_env(cache_dir=cache), timeout=timeout)
+def run(script, out, *args, nproc=1, cache=None, torchrun=True, timeout=600, precision="fp32"):
+    """A script on GPUs (one per process, under torchrun) with the tiny preset; its summary.
+    fp32 unless told otherwise: the equivalence checks compare float32 runs."""
+    run_script(script, *COMMON, "--precision", precision, *args, "--out-dir", out, nproc=nproc,
+               torchrun=torchrun, env=gpu_env(cache_dir=cache), timeout=timeout)
     return read_summary(out)
 
 
@@ -56,6 +60,8 @@ def assert_trains_like(summary: dict, reference: dict, steps: int):
 
 def assert_ran_on_the_gpu(summary: dict, steps: int):
     assert summary["device"].startswith("cuda")
+    # the default precision: bf16 where the GPU has it (Ampere and later), MFU against that peak
+    assert summary["precision"] == ("bf16" if torch.cuda.is_bf16_supported() else "fp32")
     assert len(summary["loss_history"]) == steps
     assert all(math.isfinite(v) for v in summary["loss_history"])
     # MFU against this GPU's peak (a data sheet, or a matmul measured on it), not the CPU's
@@ -84,7 +90,8 @@ def test_the_helpers_sum_cpu_built_tensors_over_an_nccl_group(world_size):
 @pytest.mark.parametrize("script", [f"train/{s}" for s in SCRIPTS] +
                          [f"solutions/train/{s}" for s in SCRIPTS])
 def test_every_script_trains_a_few_steps_on_one_gpu_under_torchrun(script, tmp_path, data_cache):
-    summary = run(script, tmp_path, "--max-steps", 3, "--batch-size", 8, cache=data_cache)
+    summary = run(script, tmp_path, "--max-steps", 3, "--batch-size", 8, cache=data_cache,
+                  precision="auto")
     assert_ran_on_the_gpu(summary, steps=3)
 
 
@@ -93,7 +100,7 @@ def test_lightning_trains_on_one_gpu_and_reports_mfu_against_a_gpu_peak(script, 
                                                                         data_cache):
     # Lightning starts its own processes (srun on a cluster): plain python, one device
     summary = run(script, tmp_path, "--max-steps", 3, "--batch-size", 8, "--devices", 1,
-                  cache=data_cache, torchrun=False)
+                  cache=data_cache, torchrun=False, precision="auto")
     assert_ran_on_the_gpu(summary, steps=3)
 
 
@@ -127,6 +134,23 @@ def test_the_pipeline_on_n_gpus_trains_like_one_process(n, tmp_path, data_cache)
              nproc=n, cache=data_cache)
     assert pp["pipeline_stages"] == n
     assert_trains_like(pp, ref, steps=3)
+
+
+def test_the_performance_step_on_one_gpu_is_faster_in_bf16_and_its_trace_has_kernels(
+        tmp_path, data_cache):
+    # The workshop preset: big enough matmuls that bf16's tensor cores show (the tiny one is
+    # bound by kernel launches); short windows and 20 steps keep it to seconds.
+    script = "solutions/train/perf_training.py"
+    args = ("--preset", "workshop", "--seq-len", 128, "--batch-size", 16, "--max-steps", 20,
+            "--log-every", 10)
+    fp32 = run(script, tmp_path / "fp32", *args, cache=data_cache, precision="fp32")
+    bf16 = run(script, tmp_path / "bf16", *args, "--profile", cache=data_cache, precision="bf16")
+    assert "bfloat16" in bf16["peak_flops_source"]  # MFU against the bf16 peak
+    assert bf16["tokens_per_s"] > fp32["tokens_per_s"]
+    [trace] = (tmp_path / "bf16" / "profile").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)  # CUDA kernels, not only CPU ops
+    assert {"forward", "backward", "optimizer"} <= {e.get("name") for e in events}
 
 
 # (pp, dp, tp) for 1, 2, 4 and 8 GPUs: every degree used once the GPUs allow it
