@@ -21,32 +21,29 @@ and watch the idle share fall as the microbatches grow.
 """
 
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn.parallel import DistributedDataParallel as DDP  # until TODO 36
 from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
 from utils.checks import check_writable, stop_if_not_finite
-from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
-                           training_summary, write_summary)
-from utils.precision import autocast, compile_blocks, set_precision
-import sys
-
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel as DDP  # until TODO 36
-from torch.utils.data.distributed import DistributedSampler
-
-from utils.data import DistributedEvalSampler
+from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
+                        load_corpus_or_exit)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-from utils.metrics import StageBusyTimer, pipeline_bubble_fraction
+from utils.metrics import (MetricLogger, StageBusyTimer, Throughput, flops_per_token,
+                           perplexity, pipeline_bubble_fraction, training_summary, write_summary)
+from utils.precision import autocast, compile_blocks, set_precision
 
 # GPipe: all forward passes, then all backward passes (keeps every microbatch's activations).
 # 1F1B: after a warm-up, one forward then one backward: the same bubble, but at most
