@@ -4,12 +4,15 @@
     python check.py ddp                # train/to_distributed_training.py, TODOs 1-11
     python check.py sbatch             # to_distributed_training.sbatch, TODOs 12-16
     python check.py fsdp | tp | pp     # train/fsdp_training.py, train/tp_training.py, ...
+    python check.py perf               # train/perf_training.py, TODOs 41-47
+    python check.py perf-sbatch        # perf_training.sbatch, TODO 48
     python check.py ddp path/to/my_copy.py     # another file than the one in train/
 
 It runs YOUR script on a tiny made-up corpus (tiny model, dropout 0, two short epochs): once
 with 2 processes on the CPU, next to the single-process reference, and compares what comes
 out: losses, evaluation, which samples each rank read, the checkpoints, how the model is split.
-(The sbatch file runs with stand-ins for scontrol, nslookup, srun and torchrun.) It prints one
+(The sbatch files run with stand-ins for scontrol, nslookup, srun, torchrun and nsys; in the
+performance step torch.compile is recorded, not run: compiling takes minutes on a CPU.) It prints one
 line per TODO; exit code 0 only when everything checked works. It takes a few seconds to half a
 minute and writes nothing in the repository.
 """
@@ -39,6 +42,9 @@ STEPS = {
     "fsdp": ("train/fsdp_training.py", "FSDP2: fully_shard, sharded checkpoints, full export"),
     "tp": ("train/tp_training.py", "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"),
     "pp": ("train/pp_training.py", "pipeline parallelism: stages, schedules, DCP"),
+    "perf": ("train/perf_training.py",
+             "performance: tokens/s and MFU, profiler, ranges, bf16, fused AdamW, compile"),
+    "perf-sbatch": ("perf_training.sbatch", "the performance job file: Nsight Systems"),
 }
 TODO_NAMES = {
     "ddp": {1: "imports", 2: "setup", 3: "samplers", 4: "DataLoaders", 5: "DDP",
@@ -54,6 +60,9 @@ TODO_NAMES = {
            40: "evaluation through the pipeline"},
     "sbatch": {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node",
                16: "two nodes"},
+    "perf": {41: "imports", 42: "tokens/s and MFU", 43: "profiler", 44: "named ranges",
+             45: "precision", 46: "fused AdamW", 47: "compile"},
+    "perf-sbatch": {48: "Nsight Systems"},
 }
 NPROC = 2
 BATCH = 4          # per rank (DDP, FSDP); the whole batch for TP and PP (one replica)
@@ -146,6 +155,8 @@ def todo_status(source: str, text: str) -> dict[int, str]:
         if op == "equal":
             continue
         touched = {owner[i] for i in range(i1, i2) if owner[i] is not None}
+        if op == "insert":  # lines added right before or after a block's own lines edit it
+            touched |= {owner[i] for i in (i1 - 1, i1) if 0 <= i < len(owner)} - {None}
         for pos in range(i1, i2 + 1):
             touched |= set(gaps.get(pos, []))
         for n in touched:
@@ -256,12 +267,12 @@ class Run:
     def error_line(self):
         """The most telling line of a crash."""
         for r in self.ranks:
-            if r and r.get("error"):
+            if r and r.get("error") and not r["error"].isdigit():  # not a bare exit code
                 return r["error"]
         if self.rc == "timeout":
             return f"no end after {TIMEOUT} s (a rank waits for a collective the other never calls?)"
         lines = [l for l in self.output.splitlines() if re.match(r"^\w*(Error|Exception)\b", l)
-                 or l.startswith("error:")]
+                 or l.startswith("error:") or ": error: " in l]  # the last: argparse's
         return lines[-1] if lines else (self.output.strip().splitlines() or ["no output"])[-1]
 
 
@@ -312,6 +323,11 @@ def crash_report(rep: Report, run: Run):
                  "defines it, and at the TODOs that use it")
     if "save0 got sharded" in run.error_line():
         rep.info("-> save0 cannot save sharded weights: use save_full_model (or a DCP save)")
+    if "Profiler must be initialized" in run.error_line():
+        rep.fail(43, "the profiler recorded no step: call profiler.step() after every training "
+                     "step (the schedule counts them)")
+    if "unrecognized arguments: --profile" in run.error_line():
+        rep.fail(43, "parse_args has no --profile yet")
     rep.info(f"(full output: {run.dir / 'output.txt'})")
 
 
@@ -635,6 +651,190 @@ def check_pp(rep, script, work, status):
         rep.fail(39, "no final_model folder with DCP's .metadata: "
                      "dcp.save(model.state_dict(), checkpoint_id=out_dir / 'final_model')")
 
+PHASES = ("forward", "backward", "optimizer", "communication")
+STEP_REPORT = re.compile(r"^epoch \d+ step \d+ loss [\d.]+ (\d+) tokens/s MFU ([\d.]+)%", re.M)
+
+
+def trace_names(path: Path) -> set:
+    return {e.get("name") for e in json.loads(path.read_text()).get("traceEvents", [])}
+
+
+def check_perf(rep, script, work, status):
+    """Four short runs: 2 ranks with --profile (fp32, as the reference), bf16 with --compile,
+    and one step with --profile (too short to profile: it must say so, not crash)."""
+    profiling = status.get(43) != "not started"  # before TODO 43 there is no --profile
+    ref = Run(work, "reference", ROOT / "solutions/train/perf_training.py", BATCH * NPROC, 1)
+    run = Run(work, "yours", script, BATCH, NPROC, extra=["--profile"] if profiling else [])
+    fast = Run(work, "bf16", script, BATCH * NPROC, 1,
+               extra=["--precision", "bf16", "--compile", "--max-steps", "6"])
+    short = Run(work, "one step", script, BATCH * NPROC, 1,
+                extra=["--profile", "--max-steps", "1"]) if profiling else None
+    runs = [r for r in (run, fast, short) if r is not None]
+    for r in (ref, *runs):
+        r.wait()
+    if ref.crashed:
+        raise SystemExit(f"the reference run failed: {ref.error_line()}")
+    for r in runs:
+        if r.crashed:
+            crash_report(rep, r)
+            return
+    rep.ok(41, "everything the step uses is imported")
+    if lists_close(run.summary["loss_history"], ref.summary["loss_history"], rel=1e-5):
+        rep.info("in fp32 the losses equal the reference run's: measuring changes nothing")
+    else:
+        rep.fail(45, "with --precision fp32 the losses differ from the reference run: compute in "
+                     "bf16 only under autocast(args.precision, device), which does nothing in fp32")
+
+    # TODO 42: the report of each interval, and the peak that MFU divides by
+    reports = STEP_REPORT.findall(run.output)
+    if "MFU against" not in run.output:
+        rep.fail(42, "say what MFU divides by: peak, peak_source = peak_flops(device, "
+                     "args.precision), then print0 it")
+    elif not reports:
+        rep.fail(42, "no step line ends in '<N> tokens/s MFU <x>%': synchronize(device), then "
+                     "rate = interval_tokens / (time.perf_counter() - interval_start)")
+    elif not all(float(t) > 0 and 0 < float(m) <= 100 for t, m in reports):
+        t, m = next((t, m) for t, m in reports if not (float(t) > 0 and 0 < float(m) <= 100))
+        rep.fail(42, f"a step reports {t} tokens/s and MFU {m}%: MFU is rate * flops_per_tok / "
+                     "(peak * world_size), between 0 and 100 %")
+    else:
+        rep.ok(42, f"{len(reports)} steps report tokens/s and MFU, against a stated peak")
+
+    # TODO 43: one trace per rank, the steps of the window, the operator table, short runs
+    names = set()
+    traces = [sorted((run.out / "profile").glob(f"rank{r}.*.pt.trace.json")) for r in range(NPROC)]
+    if not profiling:
+        rep.fail(43, "add --profile to parse_args, then make_profiler(...), profiler.step() "
+                     "after each step and profiler.stop() at the end")
+    elif not all(traces):
+        missing = [r for r, t in enumerate(traces) if not t]
+        rep.fail(43, f"--profile wrote no trace for rank(s) {missing} into OUT_DIR/profile: "
+                     "profiler = make_profiler(out_dir, rank, device, steps_available), "
+                     "profiler.step() after each step, profiler.stop() at the end")
+    else:
+        names = trace_names(traces[0][-1])
+        steps = sorted(int(n.split("#")[1]) for n in names if n and n.startswith("ProfilerStep#"))
+        if steps != [3, 4, 5]:
+            rep.fail(43, f"the trace holds steps {steps or 'none'}, the window is 3 to 5: call "
+                         "profiler.step() once after every training step")
+        elif "Self CPU time total" not in run.output:
+            rep.fail(43, "after profiler.stop(), print0(profiler.key_averages().table(sort_by="
+                         "sort_by, row_limit=12))")
+        else:
+            rep.ok(43, "each rank writes a trace of steps 3-5, and the operator table is printed")
+    if short is None:
+        pass
+    elif "too few to profile" in short.output and not (short.out / "profile").exists():
+        rep.ok(43, "a one-step run says it is too short to profile, and trains")
+    else:
+        rep.fail(43, "with --max-steps 1 say 'too few to profile' (profiler_window returns None) "
+                     "instead of starting the profiler")
+
+    # TODO 44: the named phases in the trace (a trace needs TODO 43)
+    if names or not profiling:
+        missing = [p for p in PHASES if p not in names]
+        if missing:
+            rep.fail(44, f"the trace has no range named {', '.join(missing)}: with "
+                         "annotate(name, device): around the forward pass and loss, backward, "
+                         "the optimizer step and the all-reduce of the loss")
+        else:
+            rep.ok(44, f"the trace names the phases ({', '.join(PHASES)})")
+
+    # TODO 45: bf16 is bf16, and trains like fp32 within bf16's noise
+    mine, theirs = fast.summary["loss_history"], ref.summary["loss_history"][:6]
+    if fast.summary.get("precision") != "bf16":
+        rep.fail(45, f"--precision bf16 ran in {fast.summary.get('precision')}: "
+                     "args.precision = set_precision(args.precision, device)")
+    elif mine == theirs:
+        rep.fail(45, "the bf16 run computes exactly as fp32: run the forward pass and the loss "
+                     "under autocast(args.precision, device)")
+    elif len(mine) != len(theirs) or max(abs(a - b) for a, b in zip(mine, theirs)) > 0.05:
+        rep.fail(45, "the bf16 losses stray more than 0.05 from fp32's: keep the weights in fp32 "
+                     "(autocast, not model.to(torch.bfloat16))")
+    else:
+        gap = max(abs(a - b) for a, b in zip(mine, theirs))
+        rep.ok(45, f"bf16 runs under autocast and trains like fp32 (losses within {gap:.4f})")
+
+    # TODO 46 and 47: what the probe saw the script ask for
+    adamw = fast.ranks[0].get("adamw", [])
+    if any("fused" in kwargs for kwargs in adamw):
+        rep.ok(46, "AdamW is asked for fused (on a GPU: fused=device.type == 'cuda')")
+    else:
+        rep.fail(46, "torch.optim.AdamW(..., fused=device.type == 'cuda'): one kernel for all "
+                     "parameters on a GPU")
+    compiled, unasked = fast.ranks[0].get("compiled", []), run.ranks[0].get("compiled", [])
+    if unasked:
+        rep.fail(47, f"{', '.join(unasked)} compiled without --compile: only `if args.compile:`")
+    elif "Block" in compiled or "TransformerLM" in compiled:
+        rep.ok(47, "--compile compiles the Transformer blocks (recorded, not run, here)")
+    else:
+        rep.fail(47, "--compile compiled nothing: if args.compile: compile_blocks(model), "
+                     "before the model is wrapped in DDP")
+
+
+def check_perf_sbatch(rep, script, work, status):
+    """The job file with and without NSYS=1: Nsight Systems wraps the training only when asked."""
+    plain, launched = submit(script, work, ("gpu17",), job="4244", args=("--max-steps", "5"))
+    if plain.returncode != 0:
+        rep.fail("run", f"bash {script} failed: {(plain.stderr.strip().splitlines() or ['?'])[-1]}")
+        return
+    nsys, nsys_launched = submit(script, work, ("gpu17",), job="4245", args=("--max-steps", "5"),
+                                 env_extra={"NSYS": "1"})
+    words = nsys_launched.get("nsys.0", [])
+    env0 = dict(l.split("=", 1) for l in nsys_launched.get("env.0", []) if "=" in l)
+    out_dir = env0.get("OUT_DIR", "OUT_DIR")
+    trace = next((a.split("=", 1)[1] if "=" in a else words[i + 1]
+                  for i, a in enumerate(words[:-1]) if a.split("=")[0] in ("-t", "--trace")), "")
+    output = next((a.split("=", 1)[1] if "=" in a else words[i + 1]
+                   for i, a in enumerate(words[:-1]) if a.split("=")[0] in ("-o", "--output")), "")
+    if "nsys.0" in launched:
+        rep.fail(48, "nsys runs without NSYS=1: fill PROFILER only inside "
+                     "if [ \"${NSYS:-0}\" = 1 ]; then ... fi")
+    elif nsys.returncode != 0 or not words:
+        rep.fail(48, "with NSYS=1 srun does not start nsys: PROFILER=(nsys profile -t "
+                     "cuda,nvtx,nccl -o \"$OUT_DIR/nsys\" --force-overwrite=true), then "
+                     "srun ... \"${PROFILER[@]}\" python -u \"$SCRIPT\" ...")
+    elif words[0] != "profile" or "python" not in words or "--max-steps" not in words:
+        rep.fail(48, f"nsys got `{' '.join(words)}`: nsys profile [its options] python -u "
+                     "\"$SCRIPT\" \"${ARGS[@]}\"")
+    elif not {"cuda", "nvtx"} <= set(trace.split(",")):
+        rep.fail(48, f"nsys records {trace or 'its default'}: -t cuda,nvtx,nccl (the kernels, "
+                     "the script's ranges and the NCCL calls)")
+    elif not output.startswith(out_dir + "/"):
+        rep.fail(48, f"the report goes to {output or 'the current folder'}: "
+                     "-o \"$OUT_DIR/nsys\", next to the run's other output")
+    else:
+        rep.ok(48, f"NSYS=1 runs the training under nsys profile -t {trace}, report in OUT_DIR")
+
+
+def submit(script, work, nodes, dns=(), job="4242", args=("--epochs", "1"), env_extra=None):
+    """`bash script args` as Slurm would start it on `nodes`, the Slurm commands stood in for.
+
+    Returns the finished process and what was launched: {"torchrun.<node>": its arguments,
+    "python.<node>", "nsys.<node>", "env.<node>": the environment it got}.
+    """
+    d = Path(tempfile.mkdtemp(dir=work))
+    bin_dir, log, venv = d / "bin", d / "log", d / "venv"
+    for x in (bin_dir, log, venv / "bin"):
+        x.mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("")
+    for name, body in SLURM_STUBS.items():
+        f = bin_dir / name
+        f.write_text(f"#!/bin/bash\n{body}\n")
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE", "SCRIPT",
+                                "OUT_DIR", "NSYS"))}
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv), FAKE_LOG=str(log),
+               FAKE_NODES=" ".join(nodes), FAKE_DNS=" ".join(f"{k}={v}" for k, v in dns),
+               SLURM_SUBMIT_DIR=str(d), SLURM_JOB_NAME="job", SLURM_JOB_ID=job,
+               SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)),
+               SLURM_CPUS_PER_TASK="32", OUT_DIR=str(d / "out"), **(env_extra or {}))
+    proc = subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=30)
+    launched = {f.name: f.read_text().splitlines() for f in log.iterdir()}
+    return proc, launched
+
 
 def check_sbatch(rep, script, work, status):
     """Run the job file with stand-ins for the Slurm commands, on 1 and on 2 nodes."""
@@ -649,31 +849,8 @@ def check_sbatch(rep, script, work, status):
     else:
         rep.fail(16, "#SBATCH --nodes=2")
 
-    def submit(nodes, dns=(), job="4242"):
-        d = Path(tempfile.mkdtemp(dir=work))
-        bin_dir, log, venv = d / "bin", d / "log", d / "venv"
-        for x in (bin_dir, log, venv / "bin"):
-            x.mkdir(parents=True)
-        (venv / "bin" / "activate").write_text("")
-        for name, body in SLURM_STUBS.items():
-            f = bin_dir / name
-            f.write_text(f"#!/bin/bash\n{body}\n")
-            f.chmod(f.stat().st_mode | stat.S_IEXEC)
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("SLURM_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE", "SCRIPT",
-                                    "OUT_DIR"))}
-        env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv), FAKE_LOG=str(log),
-                   FAKE_NODES=" ".join(nodes), FAKE_DNS=" ".join(f"{k}={v}" for k, v in dns),
-                   SLURM_SUBMIT_DIR=str(d), SLURM_JOB_NAME="job", SLURM_JOB_ID=job,
-                   SLURM_JOB_NODELIST=",".join(nodes), SLURM_JOB_NUM_NODES=str(len(nodes)),
-                   SLURM_CPUS_PER_TASK="32", OUT_DIR=str(d / "out"))
-        proc = subprocess.run(["bash", str(script), "--epochs", "1"], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=30)
-        launched = {f.name: f.read_text().splitlines() for f in log.iterdir()}
-        return proc, launched
-
-    two, launched = submit(("jrc0001", "jrc0002"), dns=(("jrc0001i", "10.10.0.1"),
-                                                       ("jrc0002i", "10.10.0.2")))
+    two, launched = submit(script, work, ("jrc0001", "jrc0002"),
+                           dns=(("jrc0001i", "10.10.0.1"), ("jrc0002i", "10.10.0.2")))
     if two.returncode != 0:
         rep.fail("run", f"bash {script} failed: {(two.stderr.strip().splitlines() or ['?'])[-1]}")
         return
@@ -706,7 +883,7 @@ def check_sbatch(rep, script, work, status):
             rep.fail(13, f"rendezvous endpoint {endpoint or '(none)'}, expected the address "
                                 "of jrc0001i: MASTER_ADDR=$(scontrol show hostnames "
                                 "\"$SLURM_JOB_NODELIST\" | sed -n 1p), then nslookup \"${MASTER_ADDR}i\"")
-        one, one_launched = submit(("gpu17",), job="4243")
+        one, one_launched = submit(script, work, ("gpu17",), job="4243")
         one_args = one_launched.get("torchrun.0", [])
         if one.returncode == 0 and any(a.startswith("--rdzv_endpoint=gpu17:") for a in one_args):
             rep.ok(13, "without an InfiniBand name the plain host name is used")
@@ -742,6 +919,7 @@ printf "** server can't find %s: NXDOMAIN\\n" "$1"; exit 1''',
 i=0; for n in $FAKE_NODES; do SLURM_NODEID=$i "$@"; i=$((i + 1)); done''',
     "torchrun": 'printf "%s\\n" "$@" > "$FAKE_LOG/torchrun.$SLURM_NODEID"; env > "$FAKE_LOG/env.$SLURM_NODEID"',
     "python": 'printf "%s\\n" "$@" > "$FAKE_LOG/python.$SLURM_NODEID"; env > "$FAKE_LOG/env.$SLURM_NODEID"',
+    "nsys": 'printf "%s\\n" "$@" > "$FAKE_LOG/nsys.$SLURM_NODEID"; env > "$FAKE_LOG/env.$SLURM_NODEID"',
 }
 
 
@@ -800,6 +978,23 @@ def probe(script: str, args: list[str]) -> None:
         return save(obj, *a, **k)
 
     torch.save = save_
+    record["adamw"], record["compiled"] = [], []
+    adamw_init = torch.optim.AdamW.__init__
+
+    def adamw_init_(self, *a, **k):
+        record["adamw"].append(sorted(k))
+        adamw_init(self, *a, **k)
+
+    torch.optim.AdamW.__init__ = adamw_init_
+
+    def compile_(model=None, *a, **k):  # recorded, not run: compiling takes minutes on a CPU
+        if model is None:  # @torch.compile(...) as a decorator
+            return lambda fn: fn
+        record["compiled"].append(type(model).__name__)
+        return model
+
+    torch.compile = compile_
+    torch.nn.Module.compile = lambda self, *a, **k: record["compiled"].append(type(self).__name__)
 
     def all_dtensor(model):
         from torch.distributed.tensor import DTensor
@@ -943,7 +1138,7 @@ def main(argv=None) -> int:
 
 
 CHECKS = {"ddp": check_ddp, "fsdp": check_fsdp, "tp": check_tp, "pp": check_pp,
-          "sbatch": check_sbatch}
+          "sbatch": check_sbatch, "perf": check_perf, "perf-sbatch": check_perf_sbatch}
 
 if __name__ == "__main__":
     sys.exit(main())

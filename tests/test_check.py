@@ -45,7 +45,8 @@ def mutated(tmp_path, rel, *replacements):
 @pytest.mark.parametrize("step, rel", [
     ("ddp", "train/to_distributed_training.py"), ("fsdp", "train/fsdp_training.py"),
     ("tp", "train/tp_training.py"), ("pp", "train/pp_training.py"),
-    ("sbatch", "to_distributed_training.sbatch"),
+    ("sbatch", "to_distributed_training.sbatch"), ("perf", "train/perf_training.py"),
+    ("perf-sbatch", "perf_training.sbatch"),
 ])
 def test_the_solution_is_all_good(tmp_path, step, rel):
     proc, flagged = run_check(step, mutated(tmp_path, rel))
@@ -78,6 +79,20 @@ MISTAKES = [
      [('| sed -n 1p)', '| tail -n 1)')]),
     ("sbatch", "to_distributed_training.sbatch", "a fixed port", 14, "SLURM_JOB_ID",
      [("$((20000 + SLURM_JOB_ID % 10000))", "29500")]),
+    ("perf", "train/perf_training.py", "bf16 without autocast", 45, "autocast",
+     [('with annotate("forward", device), autocast(args.precision, device):',
+       'with annotate("forward", device):')]),
+    ("perf", "train/perf_training.py", "no profiler.step", 43, "profiler.step()",
+     [("            if profiler is not None:\n                profiler.step()\n", "")]),
+    ("perf", "train/perf_training.py", "no range around backward", 44, "backward",
+     [('            with annotate("backward", device):\n                loss.backward()',
+       "            loss.backward()")]),
+    ("perf", "train/perf_training.py", "AdamW not fused", 46, "fused=",
+     [(',\n                                  fused=device.type == "cuda")', ")")]),
+    ("perf-sbatch", "perf_training.sbatch", "nsys on every run", 48, "NSYS=1",
+     [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
+    ("perf-sbatch", "perf_training.sbatch", "nsys without the NVTX ranges", 48, "nvtx",
+     [("${NSYS_TRACE:-cuda,nvtx,nccl}", "${NSYS_TRACE:-cuda}")]),
 ]
 
 
@@ -93,7 +108,9 @@ def test_a_typical_mistake_is_reported_under_its_todo(tmp_path, step, rel, what,
 
 
 @pytest.mark.parametrize("step, rel", [("ddp", "train/to_distributed_training.py"),
-                                       ("sbatch", "to_distributed_training.sbatch")])
+                                       ("sbatch", "to_distributed_training.sbatch"),
+                                       ("perf", "train/perf_training.py"),
+                                       ("perf-sbatch", "perf_training.sbatch")])
 def test_the_exercise_as_shipped_is_not_started_everywhere(tmp_path, step, rel):
     path = tmp_path / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -157,14 +174,18 @@ def partly_done(source: str, done: set) -> str:
     return "".join(out)
 
 
-def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path):
-    rel = "train/to_distributed_training.py"
+@pytest.mark.parametrize("step, done, ok", [("ddp", {1, 2, 3, 4, 5, 6}, {2, 4, 5, 6}),
+                                            ("perf", {41, 42}, {41, 42}),
+                                            ("perf", {41, 42, 43}, {41, 42, 43})])
+def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path, step, done,
+                                                                          ok):
+    rel = check.STEPS[step][0]
     path = tmp_path / rel
     path.parent.mkdir(parents=True)
-    path.write_text(partly_done((ROOT / "course" / rel).read_text(), {1, 2, 3, 4, 5, 6}))
-    proc, flagged = run_check("ddp", path)
+    path.write_text(partly_done((ROOT / "course" / rel).read_text(), done))
+    proc, flagged = run_check(step, path)
     assert proc.returncode == 1
-    assert flagged == {7, 8, 9, 10, 11}, proc.stdout
+    assert flagged == set(check.TODO_NAMES[step]) - done, proc.stdout
     assert not re.search(r"^  FIX", proc.stdout, re.M), proc.stdout
-    for n in (2, 4, 5, 6):
+    for n in ok:
         assert re.search(rf"^  ok +TODO {n}\b", proc.stdout, re.M), proc.stdout

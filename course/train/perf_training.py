@@ -7,7 +7,8 @@ perf_training.sbatch): first measure (tokens/s and MFU while training), then loo
 torch.profiler trace, NVTX ranges for Nsight Systems), then apply the fixes one at a time and
 watch each in the numbers: TF32 and bf16 (TODO 45), the fused AdamW (TODO 46), torch.compile
 (TODO 47), and a bigger batch (--batch-size, no code). docs/performance.md has the numbers to
-expect. Check your work with
+expect. Check your work at any moment with
+    python check.py perf    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/perf_training.py solutions/train/perf_training.py
 
 Run it (one GPU is enough; a laptop CPU runs it too, slowly, and has no TF32):
