@@ -15,7 +15,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from utils.args import vocab_cap
+from utils.args import OneLineParser, vocab_cap
 from utils.data import (HUB_DATASETS, DataUnavailableError, default_cache_dir, hub_cache_file,
                         hub_reachable, load_corpus)
 
@@ -34,7 +34,7 @@ def offline_message(dataset: str) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dataset", choices=list(HUB_DATASETS), default="wikitext-2")
     p.add_argument("--max-vocab", type=vocab_cap, default=None, metavar="N",
                    help="keep the N most frequent training words (default: 32768 for "

@@ -246,6 +246,19 @@ def test_prepare_data_offline_says_in_one_line_that_it_downloaded_nothing(tmp_pa
     assert f"hub is not reachable from here, so {title} was not downloaded" in proc.stderr
 
 
+@pytest.mark.parametrize("args, words", [(["--dataset", "wikitext-3"], "invalid choice: 'wikitext-3'"),
+                                         (["--max-vocab", "ten"], "--max-vocab"),
+                                         (["--epochs", "2"], "unrecognized arguments: --epochs")])
+def test_prepare_data_refuses_a_bad_flag_in_one_line(tmp_path, args, words):
+    proc = subprocess.run([sys.executable, "prepare_data.py", *args, "--cache-dir",
+                           str(tmp_path / "cache")], cwd=ROOT, env=script_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("prepare_data.py: error:")
+    assert words in proc.stderr
+    assert not (tmp_path / "cache").exists()
+
+
 def test_prepare_data_tokenises_local_files_into_the_cache_training_then_uses(tmp_path, text_dir):
     cache = tmp_path / "cache"
     proc = subprocess.run([sys.executable, "prepare_data.py", "--data-dir", str(text_dir),
