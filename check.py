@@ -43,7 +43,7 @@ STEPS = {
     "tp": ("train/tp_training.py", "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"),
     "pp": ("train/pp_training.py", "pipeline parallelism: stages, schedules, DCP"),
     "perf": ("train/perf_training.py",
-             "performance: tokens/s and MFU, profiler, ranges, bf16, fused AdamW, compile"),
+             "one GPU fast: tokens/s and MFU, profiler, bf16, fused AdamW, compile"),
     "perf-sbatch": ("perf_training.sbatch", "the performance job file: Nsight Systems"),
 }
 TODO_NAMES = {
@@ -1107,7 +1107,7 @@ def main(argv=None) -> int:
         print(__doc__.split("\n\n")[0])
         print("\nSteps:")
         for name, (path, what) in STEPS.items():
-            print(f"  python check.py {name:<7} {path:<36} {what}")
+            print(f"  python check.py {name:<11} {path:<33} {what}")
         print("\nAfter the step, another file (or folder holding a copy of the repository) to check:"
               "\n  python check.py ddp my_copy.py")
         return 0 if not argv else 2
