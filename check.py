@@ -697,6 +697,9 @@ def check_perf(rep, script, work, status):
         t, m = next((t, m) for t, m in reports if not (float(t) > 0 and 0 < float(m) <= 100))
         rep.fail(42, f"a step reports {t} tokens/s and MFU {m}%: MFU is rate * flops_per_tok / "
                      "(peak * world_size), between 0 and 100 %")
+    elif run.ranks[0].get("synchronize", 0) < len(reports):
+        rep.fail(42, "synchronize(device) before reading the clock for each report: a GPU runs "
+                     "behind Python, and the time would be only how long queuing the work took")
     else:
         rep.ok(42, f"{len(reports)} steps report tokens/s and MFU, against a stated peak")
 
@@ -994,6 +997,15 @@ def probe(script: str, args: list[str]) -> None:
         return model
 
     torch.compile = compile_
+    import utils.metrics as um
+    record["synchronize"], sync = 0, um.synchronize
+
+    def synchronize_(device):  # counts the calls made by the script itself, not by the helpers
+        if sys._getframe(1).f_code.co_filename == os.path.abspath(script):
+            record["synchronize"] += 1
+        return sync(device)
+
+    um.synchronize = synchronize_
     torch.nn.Module.compile = lambda self, *a, **k: record["compiled"].append(type(self).__name__)
 
     def all_dtensor(model):

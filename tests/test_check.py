@@ -82,6 +82,8 @@ MISTAKES = [
     ("perf", "train/perf_training.py", "bf16 without autocast", 45, "autocast",
      [('with annotate("forward", device), autocast(args.precision, device):',
        'with annotate("forward", device):')]),
+    ("perf", "train/perf_training.py", "a clock read without synchronize", 42, "synchronize",
+     [("                synchronize(device)\n", "")]),
     ("perf", "train/perf_training.py", "no profiler.step", 43, "profiler.step()",
      [("            if profiler is not None:\n                profiler.step()\n", "")]),
     ("perf", "train/perf_training.py", "no range around backward", 44, "backward",
