@@ -2,7 +2,7 @@
 
 As shipped, this script is the finished DDP step with every speed-up taken out: plain fp32, as
 PyTorch computes by default. On an H100 that is about 80,000 tokens/s for the workshop model,
-8 % of what the GPU's bf16 tensor cores could do. Do the TODOs in order (41 to 47 here, the last in
+4 % of what the GPU's bf16 tensor cores could do. Do the TODOs in order (41 to 47 here, 48 in
 perf_training.sbatch): first measure (tokens/s and MFU while training), then look (a
 torch.profiler trace, NVTX ranges for Nsight Systems), then apply the fixes one at a time and
 watch each in the numbers: TF32 and bf16 (TODO 45), the fused AdamW (TODO 46), torch.compile
@@ -12,11 +12,12 @@ expect. Check your work at any moment with
     diff -u train/perf_training.py solutions/train/perf_training.py
 
 Run it (one GPU is enough; a laptop CPU runs it too, slowly, and has no TF32):
-    python train/perf_training.py --preset tiny --max-steps 30 --profile         # laptop CPU
-    sbatch perf_training.sbatch --precision fp32 --max-steps 200 --profile       # one GPU
+    python train/perf_training.py --preset tiny --max-steps 30                   # laptop CPU
+    sbatch perf_training.sbatch --precision fp32 --max-steps 200                 # one GPU
+    sbatch perf_training.sbatch --precision fp32 --max-steps 200 --profile       # after TODO 43
     sbatch perf_training.sbatch --precision bf16 --max-steps 200                 # after TODO 45
     sbatch perf_training.sbatch --precision bf16 --compile --batch-size 128 --max-steps 200
-    NSYS=1 sbatch perf_training.sbatch --max-steps 50      # after the sbatch TODO: Nsight Systems
+    NSYS=1 sbatch perf_training.sbatch --max-steps 50                   # after the TODO in the sbatch: nsys
 Open OUT_DIR/profile/*.pt.trace.json in https://ui.perfetto.dev (or TensorBoard's profiler).
 """
 
