@@ -50,13 +50,28 @@ def test_every_script_gets_precision_and_compile_flags_defaulting_to_auto_and_of
         base_parser("x.py", None).parse_args(["--precision", "fp16"])
 
 
+def pretend_a_gpu(monkeypatch, major: int):
+    """torch.cuda as it looks on a GPU of compute capability `major`.x, where bf16 tensors can
+    be made (on a V100, by emulation: torch.cuda.is_bf16_supported() says True there)."""
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(major=major))
+    monkeypatch.setattr(torch.cuda, "_check_bf16_tensor_supported", lambda d: True)
+
+
 def test_auto_is_fp32_on_a_cpu_and_bf16_on_a_gpu_that_has_it(monkeypatch):
     assert resolve_precision("auto", CPU) == "fp32"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    pretend_a_gpu(monkeypatch, major=8)  # A100, H100
     assert resolve_precision("auto", CUDA) == "bf16"
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # e.g. a V100
-    assert resolve_precision("auto", CUDA) == "fp32"
     assert resolve_precision("tf32", CPU) == "tf32"  # explicit settings stay as given
+
+
+def test_auto_is_fp32_on_a_v100_which_only_emulates_bf16(monkeypatch):
+    pretend_a_gpu(monkeypatch, major=7)
+    assert torch.cuda.is_bf16_supported()  # PyTorch's default counts emulation
+    assert resolve_precision("auto", CUDA) == "fp32"
+    assert resolve_precision("bf16", CUDA) == "bf16"  # asked for, it is what you get
 
 
 def test_tf32_turns_the_matmul_switch_on_and_every_other_precision_turns_it_off(fp32_switch):
@@ -135,6 +150,29 @@ def test_mfu_on_a_known_gpu_divides_by_the_data_sheet_peak_of_the_precision(monk
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H100 80GB HBM3")
     expected = (peak, f"H100 data sheet ({matmul_dtype(precision)})")
     assert metrics.peak_flops(CUDA, precision) == expected
+
+
+@pytest.mark.parametrize("name, gpu", [("NVIDIA H100 PCIe", "H100 PCIe"),
+                                       ("NVIDIA H100 NVL", "H100 NVL"),
+                                       ("NVIDIA GH200 480GB", "H200"),
+                                       ("NVIDIA A100-SXM4-80GB", "A100"),
+                                       ("Tesla V100-SXM2-32GB", "V100")])
+def test_each_gpu_takes_the_peaks_of_its_own_card_not_of_one_it_shares_a_name_with(
+        monkeypatch, name, gpu):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    assert metrics.peak_flops(CUDA, "bf16") == (metrics.GPU_PEAK_FLOPS[gpu]["bfloat16"],
+                                                f"{gpu} data sheet (bfloat16)")
+
+
+def test_the_pcie_h100_has_lower_peaks_than_the_sxm_h100(monkeypatch):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    peaks = {}
+    for name in ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"):
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+        peaks[name] = [metrics.peak_flops(CUDA, p)[0] for p in ("fp32", "tf32", "bf16")]
+    assert peaks["NVIDIA H100 PCIe"] == [51.2e12, 378e12, 756.5e12]
+    assert all(p < s for p, s in zip(peaks["NVIDIA H100 PCIe"], peaks["NVIDIA H100 80GB HBM3"]))
 
 
 def test_mfu_on_a_cpu_measures_a_matmul_in_the_precision_and_tf32_there_is_fp32(monkeypatch):

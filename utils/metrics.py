@@ -25,13 +25,19 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, se
     return 6 * n_params_non_embedding + 12 * n_layers * d_model * seq_len
 
 
-# Dense peak FLOP/s per GPU from the vendors' data sheets, by the dtype the matmuls run in.
-# fp32 means true fp32: PyTorch leaves TF32 off for matmuls unless you enable it.
+# Dense peak FLOP/s per GPU from the vendors' data sheets (which print tensor-core figures
+# with sparsity: half of those), by the dtype the matmuls run in. fp32 means true fp32:
+# PyTorch leaves TF32 off for matmuls unless you enable it. The first name contained in the
+# device's name wins, so the PCIe and NVL cards come before the SXM ones they share a name with.
 GPU_PEAK_FLOPS = {
-    "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12},
-    "H100": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM / GH200
-    "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},
-    "V100": {"float32": 15.7e12, "tf32": 15.7e12, "bfloat16": 125e12},
+    "H100 PCIe": {"float32": 51.2e12, "tf32": 378e12, "bfloat16": 756.5e12},
+    "H100 NVL": {"float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12},
+    "H200 NVL": {"float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12},
+    "H100": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM, GH200
+    "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM, GH200
+    "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12},  # SXM and PCIe
+    # Volta has neither TF32 nor bf16 units: both run no faster than fp32 there
+    "V100": {"float32": 15.7e12, "tf32": 15.7e12, "bfloat16": 15.7e12},
 }
 
 

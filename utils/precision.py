@@ -27,7 +27,9 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     """`auto` becomes bf16 where the device computes it natively (a CUDA GPU since Ampere),
     else fp32; any other value is returned as it is."""
     if precision == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        # including_emulation=False: a V100 "supports" bf16 too, emulated: no faster than fp32
+        native = device.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+        return "bf16" if native else "fp32"
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}: use auto, {', '.join(PRECISIONS)}")
     return precision
