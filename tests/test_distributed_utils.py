@@ -60,11 +60,25 @@ def test_setup_falls_back_to_the_cpu_when_slurm_sets_visible_gpus_but_there_is_n
     assert out.strip() == "cpu"
 
 
-def test_asking_for_cuda_where_there_is_none_fails_with_one_clear_message():
-    if torch.cuda.is_available():
-        pytest.skip("this machine has a GPU")
-    with pytest.raises(RuntimeError, match="no usable GPU"):
+def test_asking_for_cuda_where_there_is_none_fails_with_one_clear_message(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="^error: --device cuda .* no usable GPU here: run on a"):
         du.pick_device("cuda")
+
+
+def test_each_local_rank_gets_its_own_gpu_and_a_rank_beyond_the_gpus_stops_with_one_line(
+        monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    assert [du.pick_device("auto", r) for r in range(4)] == [torch.device("cuda", r)
+                                                              for r in range(4)]
+    assert du.pick_device("cpu", 7) == torch.device("cpu")  # refused GPUs are not counted
+    with pytest.raises(SystemExit) as stop:
+        du.pick_device("auto", 4)
+    line = str(stop.value)
+    assert "\n" not in line and line.startswith("error: local rank 4 on ")
+    assert "4 are visible (CUDA_VISIBLE_DEVICES=0,1,2,3): start at most 4 processes" in line
 
 
 def test_save0_stores_the_plain_models_weights_even_from_a_ddp_wrapper(tmp_path):

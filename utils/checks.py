@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from utils.distributed_utils import get_rank, get_world_size
+from utils.distributed_utils import collective_device, get_rank, get_world_size
 
 
 def _stop(message: str, printer: bool) -> None:
@@ -61,9 +61,7 @@ def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:
     rank, world_size = get_rank(), get_world_size()
     first_failing = rank if error else world_size
     if dist.is_initialized():
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if "nccl" in str(dist.get_backend()) else torch.device("cpu"))
-        t = torch.tensor(first_failing, device=device)
+        t = torch.tensor(first_failing, device=collective_device())
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         first_failing = int(t.item())
     if first_failing < world_size:  # every rank stops; the first one that failed says why

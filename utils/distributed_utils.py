@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,11 +34,20 @@ def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     """cuda:LOCAL_RANK when CUDA is usable (and not refused with device="cpu"), else the CPU.
 
     On a CPU test node Slurm may still set CUDA_VISIBLE_DEVICES: what counts is whether
-    torch can use a GPU.
+    torch can use a GPU. More processes on a node than it has GPUs (--nproc_per_node=8 where
+    --gres=gpu:4 was asked for) end with one line, not CUDA's "invalid device ordinal".
     """
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda was asked for, but torch sees no usable GPU here")
+        sys.exit("error: --device cuda was asked for, but torch sees no usable GPU here: "
+                 "run on a GPU node with a CUDA build of torch, or leave out --device")
     if device in ("auto", "cuda") and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if local_rank >= visible:
+            sys.exit(f"error: local rank {local_rank} on {socket.gethostname()} has no GPU of its "
+                     f"own: {visible} are visible (CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most "
+                     f"{visible} processes per node (torchrun --nproc_per_node=gpu), or ask "
+                     "Slurm for more GPUs (--gres=gpu:N)")
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
@@ -189,7 +199,6 @@ def destroy_process_group() -> None:
 
 # (imports of this section only)
 import errno  # noqa: E402
-import sys  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 
 TRAIN_STATE_FILE = "train_state.json"
@@ -480,7 +489,6 @@ def init_process_group_or_exit(backend: str, **kwargs) -> None:
     connecting to rank 0's store and for rank 0 waiting for the others (it retries once, so
     a failure shows after one to three times the timeout).
     """
-    import sys
     timeout = kwargs.get("timeout", TIMEOUT)
     rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
