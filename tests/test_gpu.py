@@ -88,6 +88,25 @@ def test_the_helpers_sum_cpu_built_tensors_over_an_nccl_group(world_size):
         assert per_rank == [10.0 * r for r in range(world_size)]
 
 
+def measured_and_data_sheet_peaks(rank, world_size):
+    from utils.metrics import GPU_PEAK_FLOPS, measure_matmul_flops
+    name = torch.cuda.get_device_name()
+    sheet = next((peaks for gpu, peaks in GPU_PEAK_FLOPS.items() if gpu in name), None)
+    measured = {dtype: measure_matmul_flops(torch.device("cuda", rank), getattr(torch, dtype))
+                for dtype in ("float32", "bfloat16")}
+    return name, sheet, measured
+
+
+def test_a_matmul_measured_on_this_gpu_comes_near_its_data_sheet_peak():
+    # A GPU without a data-sheet entry (L40S, B200, ...) gets MFU against a measured matmul;
+    # one too small for the GPU measures launch overhead, and MFU would come out too high.
+    name, sheet, measured = run_distributed(measured_and_data_sheet_peaks, 1, device="cuda")[0]
+    if sheet is None:
+        pytest.skip(f"{name} has no data-sheet entry to compare with")
+    for dtype, flops in measured.items():
+        assert 0.4 * sheet[dtype] < flops < 1.05 * sheet[dtype], (name, dtype, flops / 1e12)
+
+
 @pytest.mark.parametrize("script", [f"train/{s}" for s in SCRIPTS] +
                          [f"solutions/train/{s}" for s in SCRIPTS])
 def test_every_script_trains_a_few_steps_on_one_gpu_under_torchrun(script, tmp_path, data_cache):
