@@ -7,10 +7,14 @@
 #   TORCH_VARIANT=auto|cpu|cuda|module
 #       auto (default): cuda when `nvidia-smi` sees a GPU, else cpu.
 #       cpu:    the CPU wheel of torch 2.13.0 (small; laptops, CI, CPU-only test nodes).
-#       cuda:   the CUDA build of torch 2.13.0 from PyPI (several GB; GPU clusters).
+#       cuda:   the CUDA build of torch 2.13.0 from PyPI (several GB; GPU clusters). PyPI's
+#               build needs a recent NVIDIA driver; for an older one pick a build for the
+#               driver's CUDA version (`nvidia-smi` shows it) with TORCH_INDEX_URL, e.g.
+#               TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 #       module: keep the torch you loaded before (e.g. `module load PyTorch` on a JSC system);
 #               the environment then sees the system's packages.
-#   TORCH_INDEX_URL where the cpu variant gets torch (default: PyTorch's CPU wheel index).
+#   TORCH_INDEX_URL where torch comes from (cpu default: PyTorch's CPU wheel index; cuda
+#               default: PyPI).
 #   VENV=path       where the environment goes (default: .venv in the repository).
 #   PYTHON=python3  the interpreter that creates it.
 #   SKIP_DATA=1     do not try to download WikiText-2.
@@ -56,7 +60,9 @@ case "$variant" in
         fi
         ;;
     cuda)
-        [[ "$installed_torch" == "$TORCH_VERSION"* ]] || pip install "torch==$TORCH_VERSION"
+        if [[ "$installed_torch" != "$TORCH_VERSION"* ]]; then
+            pip install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
+        fi
         ;;
     *)
         echo "setup_env: TORCH_VARIANT must be auto, cpu, cuda or module, not '$variant'" >&2; exit 1
@@ -68,6 +74,16 @@ torch_now=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("
 pip install -q -r requirements.txt "torch==$torch_now"
 pip install -q --no-deps -e .
 "$VENV/bin/python" -c 'import torch, model, utils; print(f"setup_env: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")'
+# A GPU that nvidia-smi sees but torch cannot use: most often a driver older than the CUDA
+# that torch was built for. Without this check every script would quietly train on the CPU.
+if [ "$variant" = cuda ] && command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    usable=$("$VENV/bin/python" -W ignore -c 'import torch; print(torch.cuda.is_available(), torch.version.cuda)')
+    if [ "${usable%% *}" != True ]; then
+        driver=$(nvidia-smi | grep -o 'CUDA Version: [0-9.]*' | sed -n 1p || true)
+        echo "setup_env: error: torch $("$VENV/bin/python" -c 'import torch; print(torch.__version__)') is built for CUDA ${usable#* } but cannot use the GPU that nvidia-smi sees (its driver: ${driver:-CUDA version unknown}): install a build for that CUDA version, e.g. rm -rf $VENV; TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126 bash setup_env.sh (or TORCH_VARIANT=module with your centre's PyTorch module)" >&2
+        exit 1
+    fi
+fi
 
 if [ "${SKIP_DATA:-0}" != 1 ]; then
     "$VENV/bin/python" prepare_data.py || true
