@@ -194,6 +194,17 @@ def test_a_bad_training_argument_fails_the_job_with_the_python_error(slurm, tmp_
     assert not (tmp_path / "summary.json").exists()
 
 
+def test_the_gpu_suite_job_on_a_node_without_a_usable_gpu_stops_at_once_with_one_line(
+        slurm, tmp_path):
+    # The test cluster's nodes have GPU devices that torch cannot use, as on a node whose
+    # driver is too old for torch's CUDA: the GPU tests would all be skipped, and the job look
+    # fine. It must fail instead, before any test runs.
+    job = slurm.sbatch("gpu_tests.sbatch", nodes=1, output=tmp_path / "job.out", deadline=90)
+    assert job.state == "FAILED", job.describe()
+    assert "error: no usable GPU: ask for one with --gres=gpu:N, and use a CUDA build" in job.log
+    assert "0 GPU(s) visible" in job.log and "passed" not in job.log, job.describe()
+
+
 # ------------------------------------------------------------------------ the harness itself
 def test_a_two_node_job_sees_both_hostnames_gpus_and_infiniband_names(slurm, tmp_path):
     script = tmp_path / "probe.sbatch"
