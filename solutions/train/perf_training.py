@@ -231,7 +231,8 @@ def main():
     # print the operators that took the most time: the first place to look.
     if profiler is not None:
         profiler.stop()
-        sort_by = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        # on a GPU, sort by kernel time (torch before 2.4 called it self_cuda_time_total)
+        sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print0(profiler.key_averages().table(sort_by=sort_by, row_limit=12))
 
     # ---- evaluation, saving, summary ----
