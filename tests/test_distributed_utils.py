@@ -66,6 +66,30 @@ def test_asking_for_cuda_where_there_is_none_fails_with_one_clear_message(monkey
         du.pick_device("cuda")
 
 
+@pytest.mark.parametrize("cuda, why", [(None, "a CPU-only build"),
+                                        ("13.0", "built for CUDA 13.0: is the driver older?")])
+def test_a_slurm_job_with_gpus_that_torch_cannot_use_warns_once_that_it_trains_on_the_cpu(
+        monkeypatch, capsys, cuda, why):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setenv("SLURM_JOB_GPUS", "0,1,2,3")
+    monkeypatch.setenv("RANK", "0")
+    assert du.pick_device("auto") == torch.device("cpu")
+    line = capsys.readouterr().err.strip()
+    assert line == (f"WARNING: Slurm gave this job GPUs (0,1,2,3), but torch {torch.__version__} "
+                    f"cannot use them ({why}): training on the CPU. For the GPUs, make the "
+                    "environment with TORCH_VARIANT=cuda bash setup_env.sh; to train on the CPU "
+                    "on purpose, pass --device cpu")
+    for rank, device in (("1", "auto"), ("0", "cpu")):  # other ranks, and the CPU on purpose
+        monkeypatch.setenv("RANK", rank)
+        du.pick_device(device)
+        assert capsys.readouterr().err == ""
+    monkeypatch.delenv("SLURM_JOB_GPUS")  # a job without GPUs (a CPU node, a laptop)
+    monkeypatch.setenv("RANK", "0")
+    du.pick_device("auto")
+    assert capsys.readouterr().err == ""
+
+
 def test_each_local_rank_gets_its_own_gpu_and_a_rank_beyond_the_gpus_stops_with_one_line(
         monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -152,6 +152,12 @@ def test_sbatch_file_trains_on_every_node_with_the_expected_ranks(slurm, case, t
         assert sum(l.startswith(line_start) for l in log.splitlines()) == 1, \
             f"expected one line starting {line_start!r}\n{why}"
 
+    # The test cluster's GPUs are stand-ins that torch cannot use, as with a CPU-only torch on
+    # a real GPU node: the solutions (setup(), Lightning) say so once, from rank 0.
+    unused = [l for l in log.splitlines() if l.startswith("WARNING: Slurm gave this job GPUs")]
+    if slurm.local and case.sbatch.startswith("solutions/"):
+        assert len(unused) == 1 and "training on the CPU" in unused[0], why
+
     setups = job.setup_lines()
     if case.world_size == 1:
         assert setups == [], why  # a single process joins no group and says nothing

@@ -49,7 +49,27 @@ def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
                      f"{visible} processes per node (torchrun --nproc_per_node=gpu), or ask "
                      "Slurm for more GPUs (--gres=gpu:N)")
         return torch.device("cuda", local_rank)
+    if device == "auto" and os.environ.get("RANK", "0") == "0":
+        warn_if_slurm_gpus_are_unused()
     return torch.device("cpu")
+
+
+def warn_if_slurm_gpus_are_unused() -> None:
+    """One line on stderr when Slurm gave this job GPUs that torch cannot use.
+
+    A CPU-only torch (setup_env.sh on a login node without GPUs installs that one) or a
+    driver older than torch's CUDA would otherwise make every job train on the CPU: it works,
+    only many times slower, and nothing says why.
+    """
+    gpus = os.environ.get("SLURM_JOB_GPUS")
+    if not gpus or torch.cuda.is_available():
+        return
+    why = ("a CPU-only build" if torch.version.cuda is None
+           else f"built for CUDA {torch.version.cuda}: is the driver older?")
+    print(f"WARNING: Slurm gave this job GPUs ({gpus}), but torch {torch.__version__} cannot "
+          f"use them ({why}): training on the CPU. For the GPUs, make the environment with "
+          "TORCH_VARIANT=cuda bash setup_env.sh; to train on the CPU on purpose, pass "
+          "--device cpu", file=sys.stderr, flush=True)
 
 
 def setup(seed: int = 0, device: str = "auto") -> tuple[int, int, torch.device, int]:

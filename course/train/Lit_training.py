@@ -38,7 +38,7 @@ from model.transformerLM import LitTransformerLM
 from utils.args import base_parser, positive_int
 from utils.checks import check_writable, stop_if_not_finite
 from utils.data import check_splits, load_corpus_or_exit
-from utils.distributed_utils import TIMEOUT, destroy_process_group
+from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slurm_gpus_are_unused
 from utils.lit_data import WikiText2DataModule
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
 from utils.precision import compile_blocks, lightning_precision, set_precision
@@ -91,6 +91,8 @@ def trainer_settings(args) -> dict:
     """accelerator, devices, num_nodes, strategy, precision and cluster plugin for this run."""
     accelerator = args.accelerator or {"auto": "auto", "cpu": "cpu", "cuda": "gpu"}[args.device]
     use_gpu = accelerator == "gpu" or (accelerator == "auto" and torch.cuda.is_available())
+    if accelerator == "auto" and not use_gpu and os.environ.get("SLURM_PROCID", "0") == "0":
+        warn_if_slurm_gpus_are_unused()  # a CPU-only torch in a GPU job: say so once
     # auto: bf16 on a GPU that has it, else fp32; Lightning's "bf16-mixed" is autocast with fp32
     # weights, like the plain scripts (see utils/precision.py)
     args.precision = set_precision(args.precision, torch.device("cuda" if use_gpu else "cpu"))
