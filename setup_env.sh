@@ -29,6 +29,9 @@ if [ "$variant" = auto ]; then
         variant=cuda
     else
         variant=cpu
+        if command -v sbatch >/dev/null 2>&1; then  # a cluster's login node, most likely
+            echo "setup_env: note: no GPU here, so the CPU build of torch; for this cluster's GPU nodes use TORCH_VARIANT=cuda bash setup_env.sh (or TORCH_VARIANT=module)"
+        fi
     fi
 fi
 echo "setup_env: torch variant '$variant', environment $VENV"

@@ -1,5 +1,6 @@
-"""setup_env.sh on a GPU node, with stand-ins for nvidia-smi, the environment's python and pip
-(CI runs the real script on a CPU machine, where its CUDA branch never runs).
+"""setup_env.sh on a cluster's GPU node and login node, with stand-ins for nvidia-smi, sbatch,
+the environment's python and pip (CI runs the real script on a CPU machine, where its CUDA
+branch never runs).
 
 The stand-in python answers setup_env's few questions about torch from a state file that the
 stand-in pip writes: PyPI's build is for CUDA 13.0, an index URL ending in cu126 gives a build
@@ -43,14 +44,16 @@ echo "| NVIDIA-SMI 560.35.03   Driver Version: 560.35.03   CUDA Version: $(cat "
 """
 
 
-def setup_on_a_gpu_node(tmp_path: Path, driver_cuda: str, **env) -> subprocess.CompletedProcess:
+def setup_on_a_gpu_node(tmp_path: Path, driver_cuda: str, tool="nvidia-smi",
+                        **env) -> subprocess.CompletedProcess:
+    """setup_env.sh on a node where `tool` (nvidia-smi, or sbatch on a login node) exists."""
     venv, tools = tmp_path / "venv", tmp_path / "bin"
     (venv / "bin").mkdir(parents=True)
     (venv / "state").mkdir(exist_ok=True)
     (venv / "state" / "driver").write_text(driver_cuda)
     tools.mkdir()
     for path, text in ((venv / "bin" / "python", FAKE_PYTHON),
-                       (tools / "nvidia-smi", FAKE_NVIDIA_SMI)):
+                       (tools / tool, FAKE_NVIDIA_SMI)):
         path.write_text(text)
         path.chmod(0o755)
     run_env = script_env()
@@ -102,3 +105,14 @@ def test_the_gpu_check_is_only_for_the_cuda_build(tmp_path, variant):
     done = setup_on_a_gpu_node(tmp_path, driver_cuda="12.6", TORCH_VARIANT=variant)
     assert done.returncode == 0, done.stderr
     assert "error" not in done.stderr
+
+
+def test_on_a_login_node_without_gpus_it_says_how_to_get_the_cuda_build_for_the_gpu_nodes(
+        tmp_path):
+    if subprocess.run(["bash", "-c", "command -v nvidia-smi"], capture_output=True).returncode == 0:
+        pytest.skip("this machine has nvidia-smi: setup_env.sh would pick the CUDA build")
+    done = setup_on_a_gpu_node(tmp_path, driver_cuda="13.0", tool="sbatch")
+    assert done.returncode == 0, done.stderr
+    assert "torch variant 'cpu'" in done.stdout
+    assert ("setup_env: note: no GPU here, so the CPU build of torch; for this cluster's GPU "
+            "nodes use TORCH_VARIANT=cuda bash setup_env.sh") in done.stdout
