@@ -63,6 +63,12 @@ case "$variant" in
         fi
         ;;
     cuda)
+        # An environment made before with the CPU build (on a login node, say): pip would call
+        # 2.13.0+cpu good enough for torch==2.13.0, so remove it first.
+        if [[ "$installed_torch" == *+cpu ]]; then
+            pip uninstall -y -q torch
+            installed_torch=
+        fi
         if [[ "$installed_torch" != "$TORCH_VERSION"* ]]; then
             pip install "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
         fi

@@ -20,6 +20,7 @@ FAKE_PYTHON = r"""#!/bin/bash
 state=$(dirname "$0")/../state
 if [ "$1" = -m ] && [ "$2" = pip ]; then
     echo "${*:3}" >> "$state/pip.log"
+    [[ "$*" == *"uninstall -y -q torch"* ]] && rm "$state/torch"
     if [[ "$*" == *"install torch=="* ]]; then  # the torch line, not requirements.txt's
         build=cu130; [[ "$*" == *whl/cu126* ]] && build=cu126
         cuda=$([ $build = cu126 ] && echo 12.6 || echo 13.0)
@@ -116,3 +117,14 @@ def test_on_a_login_node_without_gpus_it_says_how_to_get_the_cuda_build_for_the_
     assert "torch variant 'cpu'" in done.stdout
     assert ("setup_env: note: no GPU here, so the CPU build of torch; for this cluster's GPU "
             "nodes use TORCH_VARIANT=cuda bash setup_env.sh") in done.stdout
+
+
+def test_the_cuda_build_replaces_the_cpu_build_of_an_earlier_run_on_the_login_node(tmp_path):
+    # What the login-node note and the scripts' warning tell users to run next.
+    (tmp_path / "venv" / "state").mkdir(parents=True)
+    (tmp_path / "venv" / "state" / "torch").write_text("2.13.0+cpu None False\n")
+    done = setup_on_a_gpu_node(tmp_path, driver_cuda="13.0", TORCH_VARIANT="cuda")
+    assert done.returncode == 0, done.stderr
+    assert pip_calls(tmp_path)[:2] == ["--disable-pip-version-check uninstall -y -q torch",
+                                       "--disable-pip-version-check install torch==2.13.0"]
+    assert "setup_env: torch 2.13.0+cu130, CUDA available: True" in done.stdout
