@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
 import subprocess
@@ -92,6 +93,15 @@ def run_script(script: str, *args, nproc: int = 1, env: dict | None = None, time
                              f"--- stdout (tail)\n{proc.stdout[-3000:]}\n"
                              f"--- stderr (tail)\n{proc.stderr[-5000:]}")
     return proc
+
+
+def load_script(script: str):
+    """A course script (e.g. "solutions/train/tp_training.py") as a module, to call its
+    functions; its main() does not run."""
+    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def read_summary(out_dir: Path | str) -> dict:

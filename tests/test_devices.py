@@ -23,7 +23,6 @@ device and the default device are the same, so it could never fire here.
 from __future__ import annotations
 
 import ast
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -31,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-from conftest import ROOT
+from conftest import ROOT, load_script
 from distributed import run_distributed
 from model import TransformerLM, get_config
 from utils import distributed_utils as du
@@ -121,13 +120,6 @@ def test_the_summary_takes_losses_that_are_not_all_on_one_device(monkeypatch):
 
 
 # ---- the fused AdamW of GPU runs, on the parameters of tensor parallelism ----------------
-
-def load_script(script: str):
-    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
 
 def sharded_as_in(script: str, mesh):
     """The tiny model, sharded as `script` shards it on a GPU run: TP, then FSDP over dp."""

@@ -4,14 +4,13 @@ with it still tracks plain fp32 training (on CPU, where bf16 autocast works too)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import ROOT, read_summary, run_script, script_env
+from conftest import load_script, read_summary, run_script, script_env
 from distributed import run_distributed
 from model import TransformerLM, get_config
 from utils import metrics
@@ -22,13 +21,6 @@ from utils.precision import (autocast, lightning_precision, matmul_dtype, resolv
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
           "--seed", 3, "--log-every", 1000)
-
-
-def load(script: str):
-    spec = importlib.util.spec_from_file_location(script.replace("/", "_"), ROOT / script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -100,7 +92,7 @@ def test_bf16_autocast_runs_matmuls_in_bf16_and_keeps_weights_and_loss_in_fp32()
 
 def fsdp_compute_dtypes(rank, world_size):
     """What apply_fsdp(model, precision) computes a block in, and the dtypes it keeps."""
-    fsdp = load("solutions/train/fsdp_training.py")
+    fsdp = load_script("solutions/train/fsdp_training.py")
     result = {}
     for precision in ("fp32", "tf32", "bf16"):
         torch.manual_seed(0)
@@ -132,7 +124,7 @@ def test_the_lightning_trainer_gets_bf16_mixed_for_bf16_and_32_true_for_auto_on_
                                                                                   fp32_switch):
     for var in ("SLURM_NTASKS", "SLURM_JOB_NAME", "SLURM_NNODES", "SLURM_NTASKS_PER_NODE"):
         monkeypatch.delenv(var, raising=False)
-    lit = load("solutions/train/Lit_training.py")
+    lit = load_script("solutions/train/Lit_training.py")
     args = argparse.Namespace(accelerator="cpu", device="cpu", devices=1, num_nodes=1,
                               strategy="ddp", precision="bf16")
     assert lit.trainer_settings(args)["precision"] == "bf16-mixed"

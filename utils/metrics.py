@@ -46,8 +46,8 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int | Non
     """FLOP/s of the fastest of repeated square matmuls on `device`: the peak MFU divides by
     where no data sheet applies. The fastest, not the mean: other work on a shared machine only
     ever slows a matmul down. n x n matmuls with n = 4096 on a GPU (a smaller one leaves a big
-    GPU half idle, and the MFU would come out too high) and 1024 on a CPU (already seconds
-    there)."""
+    GPU half idle, and the MFU would come out too high) and 1024 on a CPU (enough to keep its
+    cores busy for milliseconds)."""
     n = n or (4096 if device.type == "cuda" else 1024)
     # its own generator: measuring must not move the training's random numbers (dropout)
     g = torch.Generator(device=device).manual_seed(0)
