@@ -59,7 +59,7 @@ def bench(preset, device, precision, fused, compile, batch, warmup, repeat, peak
     fpt = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers, cfg.d_model,
                           cfg.max_seq_len)
     peak, source = peaks[precision]
-    del model, optimizer
+    model = optimizer = None  # free the GPU memory before the next setting
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return dict(tokens_per_s=tokens_per_s, mfu=tokens_per_s * fpt / peak, peak=peak,

@@ -93,7 +93,7 @@ def main():
         with tempfile.TemporaryDirectory() as short_dir, tempfile.TemporaryDirectory() as long_dir:
             short, _ = launch(script, extra, args, args.short, short_dir)
             long, summary = launch(script, extra, args, args.long, long_dir)
-        per_step = [(b - a) / (args.long - args.short) for a, b in zip(short, long)]
+        per_step = [(b - a) / (args.long - args.short) for a, b in zip(short, long, strict=True)]
         params = summary.get("params_per_rank")
         if params is None:  # DDP: every rank holds the whole model
             from model import TransformerLM, get_config

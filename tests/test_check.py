@@ -1,40 +1,60 @@
 """`python check.py STEP FILE` accepts the solutions and names the TODO of each typical mistake.
 
 Each case copies a solution into a temporary folder, makes one mistake participants make (a
-mutation of the solution text) and runs the self-check on the copy, as a participant would.
+mutation of the solution text, tests/check_mutations.py) and runs the self-check on the copy, as
+a participant would. The check runs in this process (its fork server stays warm between cases)
+and shares its reference runs between the cases.
 """
 
+import contextlib
+import io
+import os
 import re
 import subprocess
 import sys
 
 import pytest
 
+from check_mutations import CORRECT, MISTAKES
 from conftest import ROOT, script_env
 
 sys.path.insert(0, str(ROOT))
-import check  # noqa: E402
+from selfcheck import cli, hints  # noqa: E402
+from selfcheck.status import todo_status  # noqa: E402
+from selfcheck.steps import ORDER, step as step_module  # noqa: E402
+
+FLAGGED = re.compile(r"^  (FIX|not started) +TODO (\d+)\b", re.M)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def reference_cache(tmp_path_factory):
-    """The single-process reference runs once per step for the whole module."""
-    global REFERENCE_CACHE
-    REFERENCE_CACHE = tmp_path_factory.mktemp("check_reference")
+def check_cache(tmp_path_factory):
+    """The check's own folders (its last runs, hints, reference runs) in a temporary place."""
+    base = tmp_path_factory.mktemp("course_check")
+    saved = {k: os.environ.get(k) for k in ("COURSE_CHECK_CACHE", "CHECK_REFERENCE_CACHE")}
+    os.environ.update(COURSE_CHECK_CACHE=str(base), CHECK_REFERENCE_CACHE=str(base / "reference"))
+    yield base
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
 
 
-def run_check(step, path):
-    proc = subprocess.run([sys.executable, "check.py", step, str(path)], cwd=ROOT,
-                          env=script_env(CHECK_REFERENCE_CACHE=REFERENCE_CACHE),
-                          capture_output=True, text=True, timeout=240)
-    flagged = {int(n) for n in re.findall(r"^  (?:FIX|not started) +TODO (\d+)", proc.stdout, re.M)}
-    return proc, flagged
+def run_check(*argv):
+    """(exit code, printed text, {flagged TODO: its line}) of `python check.py ARGV`."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main([str(a) for a in argv])
+    text = out.getvalue()
+    flagged = {int(m.group(2)): line for line in text.splitlines()
+               for m in [FLAGGED.match(line)] if m}
+    return code, text, flagged
 
 
-def mutated(tmp_path, rel, *replacements):
-    text = (ROOT / "solutions" / rel).read_text()
+def copy_of(tmp_path, rel, *replacements, source="solutions"):
+    text = (ROOT / source / rel).read_text()
     for old, new in replacements:
-        assert old in text, f"the mutation no longer applies to solutions/{rel}: {old!r}"
+        assert old in text, f"the mutation no longer applies to {source}/{rel}: {old!r}"
         text = text.replace(old, new)
     path = tmp_path / rel
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,121 +62,51 @@ def mutated(tmp_path, rel, *replacements):
     return path
 
 
-@pytest.mark.parametrize("step, rel", [
-    ("ddp", "train/to_distributed_training.py"), ("fsdp", "train/fsdp_training.py"),
-    ("tp", "train/tp_training.py"), ("pp", "train/pp_training.py"),
-    ("sbatch", "to_distributed_training.sbatch"), ("perf", "train/perf_training.py"),
-    ("perf-sbatch", "perf_training.sbatch"),
-])
-def test_the_solution_is_all_good(tmp_path, step, rel):
-    proc, flagged = run_check(step, mutated(tmp_path, rel))
-    assert proc.returncode == 0 and "all good" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+@pytest.mark.parametrize("step", ORDER)
+def test_the_solution_is_all_good(tmp_path, step):
+    code, text, flagged = run_check(step, copy_of(tmp_path, step_module(step).FILE))
+    assert code == 0 and text.rstrip().endswith("all good"), text
     assert not flagged
+    lines = [l for l in text.splitlines() if re.match(r"^  ok +TODO \d+", l)]
+    assert len(lines) == len(step_module(step).TODOS), "one ok line per TODO\n" + text
 
 
-MISTAKES = [
-    # (step, file, what goes wrong, TODO it is reported under, words the report uses, mutation)
-    ("ddp", "train/to_distributed_training.py", "no set_epoch", 6, "set_epoch",
-     [("        train_sampler.set_epoch(epoch)\n", "")]),
-    ("ddp", "train/to_distributed_training.py", "no sampler in the DataLoader", 4, "sampler=",
-     [("sampler=train_sampler, drop_last=True", "shuffle=True, drop_last=True")]),
-    ("ddp", "train/to_distributed_training.py", "no all-reduce in evaluate", 8, "all_reduce_sum",
-     [("    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)\n", "")]),
-    ("ddp", "train/to_distributed_training.py", "no DDP wrapper", 5, "DDP(",
-     [('\n    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n',
-       "\n")]),
-    ("fsdp", "train/fsdp_training.py", "fully_shard on the root only", 18, "every block",
-     [("    for block in model.layers.values():\n"
-       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
-       "                    mp_policy=MixedPrecisionPolicy(**policy))\n", "")]),
-    ("fsdp", "train/fsdp_training.py", "no reshard after evaluation", 19, "reshard()",
-     [("    model.reshard()\n", "")]),
-    ("tp", "train/tp_training.py", "TP samplers count processes", 27, "dp_size",
-     [("num_replicas=dp_size, rank=dp_rank", "num_replicas=world_size, rank=rank")]),
-    ("sbatch", "to_distributed_training.sbatch", "no is_host", 15, "is_host",
-     [("    --rdzv_conf=is_host=$(( SLURM_NODEID == 0 ? 1 : 0 )) \\\n", "")]),
-    ("sbatch", "to_distributed_training.sbatch", "MASTER_ADDR from the last node", 13, "sed -n 1p",
-     [('| sed -n 1p)', '| tail -n 1)')]),
-    ("sbatch", "to_distributed_training.sbatch", "a fixed port", 14, "SLURM_JOB_ID",
-     [("$((20000 + SLURM_JOB_ID % 10000))", "29500")]),
-    ("perf", "train/perf_training.py", "bf16 without autocast", 45, "autocast",
-     [('with annotate("forward", device), autocast(args.precision, device):',
-       'with annotate("forward", device):')]),
-    ("perf", "train/perf_training.py", "a clock read without synchronize", 42, "synchronize",
-     [("                synchronize(device)\n", "")]),
-    ("perf", "train/perf_training.py", "no profiler.step", 43, "profiler.step()",
-     [("            if profiler is not None:\n                profiler.step()\n", "")]),
-    ("perf", "train/perf_training.py", "no range around backward", 44, "backward",
-     [('            with annotate("backward", device):\n                loss.backward()',
-       "            loss.backward()")]),
-    ("perf", "train/perf_training.py", "AdamW not fused", 46, "fused=",
-     [(',\n                                  fused=device.type == "cuda")', ")")]),
-    ("perf-sbatch", "perf_training.sbatch", "nsys on every run", 48, "NSYS=1",
-     [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
-    ("perf-sbatch", "perf_training.sbatch", "nsys without the NVTX ranges", 48, "nvtx",
-     [("${NSYS_TRACE:-cuda,nvtx,nccl}", "${NSYS_TRACE:-cuda}")]),
-]
-
-
-@pytest.mark.parametrize("step, rel, what, todo, words, replacements", MISTAKES,
-                         ids=[m[2].replace(" ", "-") for m in MISTAKES])
-def test_a_typical_mistake_is_reported_under_its_todo(tmp_path, step, rel, what, todo, words,
+@pytest.mark.parametrize("step, rel, what, todo, replacements", MISTAKES,
+                         ids=[f"{m[0]}-{m[3]}-{m[2].replace(' ', '-')}" for m in MISTAKES])
+def test_a_typical_mistake_is_reported_under_its_todo(tmp_path, step, rel, what, todo,
                                                       replacements):
-    proc, flagged = run_check(step, mutated(tmp_path, rel, *replacements))
-    assert proc.returncode == 1, proc.stdout + proc.stderr[-3000:]
-    assert todo in flagged, proc.stdout
-    line = next(l for l in proc.stdout.splitlines() if re.match(rf"^  (FIX|not started) +TODO {todo}\b", l))
-    assert words in line, proc.stdout
+    code, text, flagged = run_check(step, copy_of(tmp_path, rel, *replacements))
+    assert code == 1, text
+    assert todo in flagged, f"{what}: TODO {todo} is not flagged\n{text}"
+    assert "Traceback" not in text and "could not finish" not in text, text
+    line = flagged[todo]
+    if line.lstrip().startswith("FIX"):  # a FIX says what to change, not only what is wrong
+        assert len(line.split(": ", 1)[-1]) > 30, line
 
 
-@pytest.mark.parametrize("step, rel", [("ddp", "train/to_distributed_training.py"),
-                                       ("sbatch", "to_distributed_training.sbatch"),
-                                       ("perf", "train/perf_training.py"),
-                                       ("perf-sbatch", "perf_training.sbatch")])
-def test_the_exercise_as_shipped_is_not_started_everywhere(tmp_path, step, rel):
-    path = tmp_path / rel
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text((ROOT / rel).read_text())
-    proc, flagged = run_check(step, path)
-    assert proc.returncode == 1
-    assert set(check.TODO_NAMES[step]) == flagged
-    assert not re.search(r"^  FIX", proc.stdout, re.M) and "Traceback" not in proc.stdout, \
-        proc.stdout
+@pytest.mark.parametrize("step, rel, what, replacements", CORRECT,
+                         ids=[f"{c[0]}-{c[2].replace(' ', '-')}" for c in CORRECT])
+def test_a_right_solution_written_another_way_is_all_good(tmp_path, step, rel, what,
+                                                           replacements):
+    code, text, flagged = run_check(step, copy_of(tmp_path, rel, *replacements))
+    assert code == 0 and not flagged, f"{what}\n{text}"
 
 
-def test_a_todo_is_not_started_until_its_block_changes():
-    source = ("a = 1\n# TODO 1: x\n#| exercise\n#| solution\nb = 2\n#| end\n"
-              "# TODO 2: y\n#| exercise\nc = 3\n#| solution\nc = 4\n#| end\nd = 5\n")
-    shipped = "a = 1\n# TODO 1: x\n# TODO 2: y\nc = 3\nd = 5\n"
-    assert check.todo_status(source, shipped) == {1: "not started", 2: "not started"}
-    assert check.todo_status(source, shipped.replace("# TODO 1: x\n", "# TODO 1: x\nb = 2\n")) \
-        == {1: "edited", 2: "not started"}
-    assert check.todo_status(source, shipped.replace("c = 3", "c = 4")) \
-        == {1: "not started", 2: "edited"}
+def test_every_todo_has_at_least_two_mistakes_in_this_suite():
+    counts = {}
+    for step, _, _, todo, _ in MISTAKES:
+        counts[todo] = counts.get(todo, 0) + 1
+    todos = {n for step in ORDER for n in step_module(step).TODOS}
+    assert {n for n in todos if counts.get(n, 0) < 2} == set()
 
 
-def test_without_a_step_the_steps_are_listed():
-    proc = subprocess.run([sys.executable, "check.py"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=60)
-    assert proc.returncode == 0
-    for step in check.STEPS:
-        assert f"python check.py {step}" in proc.stdout
-
-
-def test_a_missing_file_gets_one_line_saying_what_to_give(tmp_path):
-    proc = subprocess.run([sys.executable, "check.py", "ddp", str(tmp_path / "nope.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and proc.stdout.count("\n") == 1 and "does not exist" in proc.stdout
-
-
-@pytest.mark.parametrize("step", check.STEPS)
-def test_every_todo_of_the_exercise_is_not_started_and_of_the_solution_edited(step):
-    rel = check.STEPS[step][0]
-    source = (ROOT / "course" / rel).read_text()
-    numbers = set(check.TODO_NAMES[step])
-    assert check.todo_status(source, (ROOT / rel).read_text()) == dict.fromkeys(numbers, "not started")
-    assert check.todo_status(source, (ROOT / "solutions" / rel).read_text()) == dict.fromkeys(
-        numbers, "edited")
+@pytest.mark.parametrize("step", ORDER)
+def test_the_exercise_as_shipped_is_not_started_everywhere(tmp_path, step):
+    rel = step_module(step).FILE
+    code, text, flagged = run_check(step, copy_of(tmp_path, rel, source="."))
+    assert code == 1
+    assert set(flagged) == set(step_module(step).TODOS), text
+    assert not re.search(r"^  (FIX|not checked)", text, re.M) and "Traceback" not in text, text
 
 
 def partly_done(source: str, done: set) -> str:
@@ -176,18 +126,120 @@ def partly_done(source: str, done: set) -> str:
     return "".join(out)
 
 
-@pytest.mark.parametrize("step, done, ok", [("ddp", {1, 2, 3, 4, 5, 6}, {2, 4, 5, 6}),
-                                            ("perf", {41, 42}, {41, 42}),
-                                            ("perf", {41, 42, 43}, {41, 42, 43})])
-def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path, step, done,
-                                                                          ok):
-    rel = check.STEPS[step][0]
+@pytest.mark.parametrize("step, done", [("ddp", {1, 2, 3, 4, 5, 6}), ("ddp", {1, 2, 3, 4, 5}),
+                                        ("fsdp", {17, 18, 19}), ("tp", {23, 24, 25, 26}),
+                                        ("perf", {41, 42}), ("perf", {41, 42, 43})])
+def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path, step, done):
+    rel = step_module(step).FILE
     path = tmp_path / rel
     path.parent.mkdir(parents=True)
     path.write_text(partly_done((ROOT / "course" / rel).read_text(), done))
-    proc, flagged = run_check(step, path)
-    assert proc.returncode == 1
-    assert flagged == set(check.TODO_NAMES[step]) - done, proc.stdout
-    assert not re.search(r"^  FIX", proc.stdout, re.M), proc.stdout
-    for n in ok:
-        assert re.search(rf"^  ok +TODO {n}\b", proc.stdout, re.M), proc.stdout
+    code, text, flagged = run_check(step, path)
+    assert code == 1
+    assert set(flagged) == set(step_module(step).TODOS) - done, text
+    assert not re.search(r"^  FIX", text, re.M), text
+    for n in done:  # ok, or (a function a later TODO calls) waiting for that TODO
+        assert re.search(rf"^  (ok +TODO {n}\b|not checked +TODO {n} .*once TODO)", text,
+                         re.M), text
+
+
+def test_a_later_todo_not_started_yet_is_named_instead_of_a_crash(tmp_path):
+    """Pipeline TODOs 34-36 done: the loop still runs the model itself (TODO 37)."""
+    rel = step_module("pp").FILE
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True)
+    path.write_text(partly_done((ROOT / "course" / rel).read_text(), {34, 35, 36}))
+    code, text, flagged = run_check("pp", path)
+    assert 37 in flagged and "not started" in flagged[37], text
+    assert "Connection closed" not in flagged[37], text
+
+
+def test_a_todo_is_not_started_until_its_block_changes():
+    source = ("a = 1\n# TODO 1: x\n#| exercise\n#| solution\nb = 2\n#| end\n"
+              "# TODO 2: y\n#| exercise\nc = 3\n#| solution\nc = 4\n#| end\nd = 5\n")
+    shipped = "a = 1\n# TODO 1: x\n# TODO 2: y\nc = 3\nd = 5\n"
+    assert todo_status(source, shipped) == {1: "not started", 2: "not started"}
+    assert todo_status(source, shipped.replace("# TODO 1: x\n", "# TODO 1: x\nb = 2\n")) \
+        == {1: "edited", 2: "not started"}
+    assert todo_status(source, shipped.replace("c = 3", "c = 4")) \
+        == {1: "not started", 2: "edited"}
+
+
+@pytest.mark.parametrize("step", ORDER)
+def test_every_todo_of_the_exercise_is_not_started_and_of_the_solution_edited(step):
+    rel = step_module(step).FILE
+    source = (ROOT / "course" / rel).read_text()
+    numbers = set(step_module(step).TODOS)
+    assert todo_status(source, (ROOT / rel).read_text()) == dict.fromkeys(numbers, "not started")
+    assert todo_status(source, (ROOT / "solutions" / rel).read_text()) == dict.fromkeys(
+        numbers, "edited")
+
+
+# ------------------------------------------------------------------- the command itself
+def check_command(*argv, env=None):
+    return subprocess.run([sys.executable, "check.py", *map(str, argv)], cwd=ROOT,
+                          env=env or script_env(COURSE_CHECK_CACHE=os.environ["COURSE_CHECK_CACHE"]),
+                          capture_output=True, text=True, timeout=240)
+
+
+def test_without_a_step_the_steps_are_listed():
+    proc = check_command()
+    assert proc.returncode == 0
+    for step in ORDER:
+        assert f"python check.py {step}" in proc.stdout
+
+
+def test_a_missing_file_or_a_wrong_step_gets_one_line_saying_what_to_give(tmp_path):
+    proc = check_command("ddp", tmp_path / "nope.py")
+    assert proc.returncode == 2 and proc.stdout.count("\n") == 1 and "does not exist" in proc.stdout
+    proc = check_command("dpp")
+    assert proc.returncode == 2 and proc.stdout.count("\n") == 1 and "choose one of" in proc.stdout
+
+
+@pytest.mark.parametrize("content", ["", "def main(:\n", "import nothing_such_module\n",
+                                     "x = 1\n", "\x00\x01binary"])
+def test_no_file_makes_the_check_itself_end_in_a_traceback(tmp_path, content):
+    path = tmp_path / "train" / "to_distributed_training.py"
+    path.parent.mkdir()
+    path.write_text(content)
+    proc = check_command("ddp", path)
+    assert proc.returncode in (1, 3), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert re.search(r"^  (FIX|not started) +TODO", proc.stdout, re.M) or \
+        "could not finish" in proc.stdout
+
+
+def test_the_full_output_of_a_failed_run_is_kept_where_the_check_says(tmp_path):
+    path = copy_of(tmp_path, step_module("ddp").FILE,
+                   ("from utils.data import DistributedEvalSampler\n", ""))
+    code, text, _ = run_check("ddp", path)
+    where = re.search(r"\(full output: (\S+)\)", text)
+    assert where and "NameError" in open(where.group(1)).read(), text
+
+
+def test_hints_get_one_level_more_detailed_each_time_and_are_counted():
+    texts = [run_check("ddp", "--hint", 5)[1] for _ in range(3)]
+    assert "level 1 of 3" in texts[0] and "level 2 of 3" in texts[1] and "level 3" in texts[2]
+    assert "model = DDP(model" not in texts[1]   # the exact line only at the last level
+    assert "model = DDP(model" in texts[2]
+    assert "TODO 5: 3 levels" in hints.used("ddp")
+    code, text, _ = run_check("ddp", "--hint", 99)
+    assert code == 2 and "TODOs 1-11" in text
+
+
+@pytest.mark.parametrize("step", ORDER)
+def test_every_todo_has_a_hint_before_the_solution_lines(step):
+    module = step_module(step)
+    for todo in module.TODOS:
+        assert len(module.HINTS.get(todo, ())) == 2, f"TODO {todo} has no two hint levels"
+
+
+def test_the_dry_run_shows_what_srun_starts_on_every_node(tmp_path):
+    code, text, _ = run_check("sbatch", ROOT / "solutions" / step_module("sbatch").FILE, "--show")
+    assert code == 0
+    starts = [l for l in text.splitlines() if "torchrun" in l and "task 0" in l]
+    assert len(starts) == 2 and "jrc0001" in starts[0] and "jrc0002" in starts[1], text
+    assert "4 process(es)" in starts[0] and "--rdzv_conf=is_host=1" in starts[0], text
+    assert "MASTER_ADDR=10.10.0.1" in text and "CUDA_VISIBLE_DEVICES=0,1,2,3" in text, text
+    code, text, _ = run_check("sbatch", ROOT / step_module("sbatch").FILE, "--show")
+    assert code == 0 and "python -u train/to_distributed_training.py" in text, text

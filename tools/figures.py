@@ -174,12 +174,12 @@ def reference_collective(name: str, inputs: list[list[int]]) -> list[list[int]]:
     if name == "broadcast":
         return [list(inputs[0]) for _ in range(n)]
     if name == "all-reduce":
-        total = [sum(col) for col in zip(*inputs)]
+        total = [sum(col) for col in zip(*inputs, strict=True)]
         return [list(total) for _ in range(n)]
     if name == "all-gather":
         return [[v for x in inputs for v in x] for _ in range(n)]
     if name == "reduce-scatter":
-        total = [sum(col) for col in zip(*inputs)]
+        total = [sum(col) for col in zip(*inputs, strict=True)]
         per = len(total) // n
         return [total[r * per:(r + 1) * per] for r in range(n)]
     raise ValueError(name)
@@ -206,7 +206,7 @@ def collectives() -> Svg:
         s.rect(10, y0, 1180, 145, fill="#f9fafb", stroke=LIGHT, rx=10)
         s.text(30, y0 + 32, name, 24, anchor="start", weight="bold")
         s.text(30, y0 + 132, use, 16, anchor="start", fill=GREY)
-        for side, (values, x0) in enumerate(((inputs, 250), (outputs, 740))):
+        for values, x0 in ((inputs, 250), (outputs, 740)):
             for r, vals in enumerate(values):
                 x = x0 + r * 105
                 cells = len(vals)
@@ -333,7 +333,6 @@ def tp() -> Svg:
     cfg = get_config("workshop")
     degree = 4
     s = Svg(1200, 640, "tensor parallelism: the plan of apply_tp in one block")
-    style_fill = {"ColwiseParallel": "#dbeafe", "RowwiseParallel": "#dcfce7"}
 
     def part(y0, title, names, split_note, reduce_note):
         s.text(20, y0 + 25, title, 22, anchor="start", weight="bold")
@@ -448,8 +447,8 @@ def schedule_order(cls, stages: int, microbatches: int) -> list[list[tuple[str, 
                      "get_bwd_send_ops"):
             getattr(stage, name).return_value = []
         calls = []
-        stage.forward_one_chunk.side_effect = lambda i, *a, **k: calls.append(("F", i))
-        stage.backward_one_chunk.side_effect = lambda i, *a, **k: calls.append(("B", i))
+        stage.forward_one_chunk.side_effect = lambda i, *a, calls=calls, **k: calls.append(("F", i))
+        stage.backward_one_chunk.side_effect = lambda i, *a, calls=calls, **k: calls.append(("B", i))
         schedule = cls(stage, n_microbatches=microbatches, loss_fn=lambda *a: mock.MagicMock())
         targets = [None] * microbatches if stage.is_last else None
         schedule._step_microbatches([()] * microbatches, [{}] * microbatches, targets, None)

@@ -1,0 +1,113 @@
+"""A run that crashed or hung: which rank failed on its own, why, and on which line.
+
+When one rank fails, the others usually fail a moment later with a connection error ("Connection
+closed by peer"): that is news about the first rank, not a mistake of theirs. So the failing
+rank's own error comes first. A rank still running long after another has finished waits in a
+collective the other never called: its stack (the probe writes it on SIGUSR1) shows where.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+PROBE_FILE = "selfcheck/probe.py"
+# Errors that only say another rank went away (gloo, NCCL, the c10d store)
+PEER_ERRORS = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|ECONNRESET|"
+    r"recvBytes|sendBytes|Socket Timeout|failed to recv|NCCL communicator was aborted|"
+    r"DistNetworkError|Connection refused|The server socket has failed|"
+    r"Timed out waiting|timed out|Timeout|Read error|Failed to recv", re.I)
+
+
+@dataclass
+class Failure:
+    rank: int | None           # the rank whose own error this is
+    kind: str                  # "error", "exit", "hung", "timeout", "killed"
+    message: str               # one line
+    frames: list = field(default_factory=list)   # the script's own frames, innermost last
+    line: int | None = None    # the innermost line of the script on the way to the error
+    func: str | None = None
+    callee: str | None = None  # what that line called on the way to the error (a helper's name)
+    others: dict = field(default_factory=dict)   # rank -> one line, for the other ranks
+
+    @property
+    def peer(self) -> bool:
+        return bool(PEER_ERRORS.search(self.message))
+
+    def where(self) -> str:
+        return f" (line {self.line}, in {self.func})" if self.line else ""
+
+
+def last_error_line(output: str) -> str | None:
+    lines = [l for l in output.splitlines()
+             if re.match(r"^(\[rank\d+\] )?(\w+\.)*\w*(Error|Exception)\b", l)
+             or l.startswith("error:") or ": error: " in l]  # the last: argparse's
+    return lines[-1].strip() if lines else None
+
+
+def stack_frames(stack: str) -> list[dict]:
+    """All frames of a faulthandler dump, outermost first (it lists the innermost first)."""
+    frames = [{"file": m.group(1), "line": int(m.group(2)), "func": m.group(3)}
+              for m in re.finditer(r'File "([^"]+)", line (\d+) in (\S+)', stack)]
+    return frames[::-1]
+
+
+def script_part(frames: list[dict], script: str) -> tuple[list[dict], str | None]:
+    """The script's own frames (outermost first), and the function its innermost one called."""
+    frames = [f for f in frames if not f["file"].endswith(PROBE_FILE)]  # its wrappers
+    mine = [i for i, f in enumerate(frames) if f["file"] == script]
+    if not mine:
+        return [], None
+    last = mine[-1]
+    callee = frames[last + 1]["func"] if last + 1 < len(frames) else None
+    return [frames[i] for i in mine], callee
+
+
+def rank_failure(run, rank: int) -> Failure | None:
+    record = run.ranks[rank] if rank < len(run.ranks) else None
+    ended = run.ended.get(rank, "exit 0")
+    script = str(run.script.resolve())
+    if ended in ("hung", "timeout", "stopped"):
+        frames, callee = script_part(stack_frames(run.stacks[rank]), script)
+        innermost = frames[-1] if frames else {}
+        kind = {"stopped": "killed"}.get(ended, ended)
+        message = {"hung": "still waiting long after another rank had finished",
+                   "timeout": "no end within the time limit",
+                   "killed": "stopped after another rank failed"}[kind]
+        return Failure(rank, kind, message, frames, innermost.get("line"), innermost.get("func"),
+                       callee)
+    if record and record.get("error"):
+        error = record["error"]
+        message = error["message"] or last_error_line(run.outputs[rank]) or \
+            f"exit code {ended.split()[-1]}"
+        message = message.strip().splitlines()[0][:300] if message.strip() else message
+        frames, callee = script_part(error["frames"], script)
+        innermost = frames[-1] if frames else {}
+        return Failure(rank, "exit" if error["exit"] else "error", message, frames,
+                       innermost.get("line"), innermost.get("func"), callee)
+    if ended != "exit 0":
+        message = last_error_line(run.outputs[rank]) or f"ended with {ended} and no message"
+        if ended.startswith("exit -"):
+            message = f"killed by signal {ended.split('-')[-1]} ({message})"
+        return Failure(rank, "killed", message)
+    if record is None:
+        return Failure(rank, "killed", last_error_line(run.outputs[rank]) or "no record written")
+    return None
+
+
+def analyse(run) -> Failure | None:
+    """The failure to report for `run`, or None if every rank finished."""
+    failures = {r: f for r in range(len(run.ranks)) if (f := rank_failure(run, r))}
+    if not failures:
+        if run.summary is None:
+            return Failure(None, "exit", "the run finished without writing summary.json")
+        return None
+    order = sorted(failures.values(), key=lambda f: (
+        f.kind in ("killed",),          # stopped by us after another rank failed: last
+        f.peer,                         # a connection error is news about another rank
+        f.kind in ("hung", "timeout"),  # an error beats waiting
+        f.rank))
+    first = order[0]
+    first.others = {f.rank: f.message for f in order[1:]}
+    return first

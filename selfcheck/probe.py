@@ -1,0 +1,645 @@
+"""What runs inside every rank of a checked script: the participant's main(), watched.
+
+    python -m selfcheck.probe SCRIPT [script arguments]    (started by selfcheck.runs)
+
+Before the script is imported, the probe wraps the classes and helpers the lessons use
+(samplers, DataLoader, DDP, the course's helpers, torch.distributed's collectives, print, ...)
+so that it can record what the script built, called and printed, and from which of its own
+lines. After main() returns or fails it writes everything to CHECK_DUMP_DIR/rank<R>.json:
+the checks judge a TODO by this behaviour, never by the text of the file.
+
+A rank that is stuck can be asked for its stack: SIGUSR1 writes it to rank<R>.stack.
+"""
+
+from __future__ import annotations
+
+import builtins
+import faulthandler
+import functools
+import importlib.util
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+# Per-rank values that reveal which variable a script passed where (rank or local_rank...)
+WATCHED_LOCALS = ("rank", "local_rank", "world_size", "dp_rank", "dp_size", "stage_index",
+                  "num_stages")
+
+
+class Probe:
+    def __init__(self, script: str, args: list[str]):
+        self.script = os.path.abspath(script)
+        self.args = [a for a in args if a != "--eval-probe"]
+        self.eval_probe = "--eval-probe" in args
+        self.rank = int(os.environ.get("RANK", 0))
+        self.dump_dir = Path(os.environ["CHECK_DUMP_DIR"])
+        self.record = {
+            "rank": self.rank, "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
+            "world_size": int(os.environ.get("WORLD_SIZE", 1)), "error": None,
+            "datasets": [], "samplers": [], "loaders": [], "set_epoch": [], "calls": [],
+            "prints": [], "saves": [], "evals": [], "logged": [], "tokens": [], "adamw": [],
+            "compiled": [], "synchronize": 0, "meshes": [], "ddp": [], "setup": [],
+            "load_corpus": [], "stages": [], "schedule_calls": [], "loads": [],
+            "forward_dtypes": [], "autocast_forward": [],
+        }
+        self.datasets, self.samplers, self.models, self.optimizers = [], [], [], []
+
+    # ------------------------------------------------------------------ where a call came from
+    def script_line(self, depth: int = 2) -> tuple[str, int] | None:
+        """(function, line) of the innermost frame of the participant's script on the stack."""
+        frame = sys._getframe(depth)
+        while frame is not None:
+            if frame.f_code.co_filename == self.script:
+                return frame.f_code.co_name, frame.f_lineno
+            frame = frame.f_back
+        return None
+
+    def script_locals(self, depth: int = 2) -> dict:
+        frame = sys._getframe(depth)
+        while frame is not None and frame.f_code.co_filename != self.script:
+            frame = frame.f_back
+        if frame is None:
+            return {}
+        return {k: v for k, v in frame.f_locals.items()
+                if k in WATCHED_LOCALS and isinstance(v, int) and not isinstance(v, bool)}
+
+    def note_call(self, name: str, **extra) -> None:
+        where = self.script_line(3)
+        direct = sys._getframe(3).f_code.co_filename == self.script  # not via a helper
+        self.record["calls"].append({"name": name, "func": where[0] if where else None,
+                                     "line": where[1] if where else None, "direct": direct,
+                                     "step": len(self.record["tokens"]), **extra})
+
+    # ------------------------------------------------------------------------------ the hooks
+    def install(self) -> None:
+        import torch
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        from torch.utils.data import DataLoader
+        from torch.utils.data.distributed import DistributedSampler
+
+        import model.transformer as mt
+        import utils.data as ud
+        import utils.distributed_utils as du
+        import utils.metrics as um
+        probe, record = self, self.record
+
+        def wrap(owner, name, before=None, after=None):
+            original = getattr(owner, name)
+
+            @functools.wraps(original)
+            def wrapper(*a, **k):
+                if before:
+                    before(*a, **k)
+                result = original(*a, **k)
+                if after:
+                    after(result, *a, **k)
+                return result
+            setattr(owner, name, wrapper)
+            return original
+
+        # -- the options: flags the check passes but the script may not have yet (an option a
+        # later TODO adds) are dropped instead of failing, and recorded as missing
+        import argparse
+        optional = dict(f.split("=") for f in os.environ.get("CHECK_OPTIONAL_FLAGS", "")
+                        .split(",") if f)
+        parse_args = argparse.ArgumentParser.parse_args
+
+        def parse_args_(parser, args=None, namespace=None):
+            argv = list(sys.argv[1:] if args is None else args)
+            known = {s for a in parser._actions for s in a.option_strings}
+            missing = []
+            for flag, n in optional.items():
+                if flag in argv and flag not in known:
+                    i = argv.index(flag)
+                    del argv[i:i + 1 + int(n)]
+                    missing.append(flag)
+            ns = parse_args(parser, argv, namespace)
+            record["parser"] = {"missing": missing, "options": sorted(known), "values": {
+                k: v for k, v in vars(ns).items()
+                if isinstance(v, (int, float, str, bool, type(None)))}}
+            return ns
+        argparse.ArgumentParser.parse_args = parse_args_
+
+        # -- data: which samples each rank read, in which pass
+        init, getitem = ud.TokenWindows.__init__, ud.TokenWindows.__getitem__
+
+        def windows_init(self, *a, **k):
+            init(self, *a, **k)
+            self._check = {"len": len(self), "passes": []}
+            probe.datasets.append(self)
+
+        def windows_getitem(self, i):
+            if self._check["passes"] and not self._check.get("off"):
+                self._check["passes"][-1].append(int(i))
+            return getitem(self, i)
+
+        ud.TokenWindows.__init__, ud.TokenWindows.__getitem__ = windows_init, windows_getitem
+
+        def dataset_index(ds):
+            return next((i for i, d in enumerate(probe.datasets) if d is ds), None)
+
+        def sampler_init(kind):
+            def before(self, dataset, *a, **k):
+                names = ("num_replicas", "rank", "shuffle", "seed", "drop_last")
+                given = dict(zip(names, a, strict=False))
+                given.update({n: k[n] for n in names if n in k})
+                where = probe.script_line(3)
+                record["samplers"].append({
+                    "kind": kind, "dataset": dataset_index(dataset),
+                    "given": {n: v for n, v in given.items() if isinstance(v, (int, bool))},
+                    "line": where[1] if where else None, "locals": probe.script_locals(3)})
+                probe.samplers.append(self)
+            return before
+
+        wrap(DistributedSampler, "__init__", before=sampler_init("DistributedSampler"))
+        wrap(ud.DistributedEvalSampler, "__init__",
+             before=sampler_init("DistributedEvalSampler"))
+
+        def set_epoch(self, epoch):
+            index = next((i for i, s in enumerate(probe.samplers) if s is self), None)
+            record["set_epoch"].append([index, int(epoch)])
+        wrap(DistributedSampler, "set_epoch", before=set_epoch)
+
+        def loader_iter(self):
+            if hasattr(self.dataset, "_check"):
+                self.dataset._check["passes"].append([])
+        wrap(DataLoader, "__iter__", before=loader_iter)
+
+        def loader_init(self, dataset, *a, **k):
+            sampler = k.get("sampler")
+            index = next((i for i, s in enumerate(probe.samplers) if s is sampler), None)
+            where = probe.script_line(3)
+            record["loaders"].append({
+                "dataset": dataset_index(dataset), "sampler": index,
+                "sampler_type": type(sampler).__name__ if sampler is not None else None,
+                "shuffle": bool(k.get("shuffle")), "batch_size": k.get("batch_size", a[0] if a else 1),
+                "drop_last": bool(k.get("drop_last")), "line": where[1] if where else None})
+        wrap(DataLoader, "__init__", before=loader_init)
+
+        def load_corpus(*a, **k):
+            warn = k.get("warn")
+            record["load_corpus"].append({"warn": getattr(warn, "__name__", repr(warn))})
+        wrap(ud, "load_corpus_or_exit", before=load_corpus)
+
+        # -- the model: every TransformerLM built, and what its linear layers compute in
+        model_init = mt.TransformerLM.__init__
+
+        def model_init_(self, *a, **k):
+            model_init(self, *a, **k)
+            probe.models.append(self)
+            if len(probe.models) == 1:
+                self.register_forward_pre_hook(probe.forward_pre_hook)
+                self.register_forward_hook(probe.output_hook)
+                for module in self.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        module.register_forward_hook(probe.linear_hook)
+        mt.TransformerLM.__init__ = model_init_
+
+        def ddp_init(self, module, *a, **k):
+            device_ids = k.get("device_ids", a[0] if a else None)
+            where = probe.script_line(3)
+            record["ddp"].append({"device_ids": list(device_ids) if device_ids else None,
+                                  "module": type(module).__name__,
+                                  "line": where[1] if where else None})
+        wrap(DistributedDataParallel, "__init__", before=ddp_init)
+
+        # -- the course's helpers and the collectives: who called them, from which line
+        def called(name, **extra_of):
+            def before(*a, **k):
+                extra = {key: f(*a, **k) for key, f in extra_of.items()}
+                probe.note_call(name, **extra)
+            return before
+
+        def group_size(*a, **k):
+            group = k.get("group", a[1] if len(a) > 1 else None)
+            try:
+                return dist.get_world_size(group) if dist.is_initialized() else 1
+            except Exception:  # noqa: BLE001 - a group this rank is not in
+                return None
+
+        for name in ("all_reduce_mean", "all_reduce_sum"):
+            wrap(du, name, before=called(name, group_size=group_size))
+        for name in ("print0", "save0", "save_full_model", "save_sharded_model",
+                     "load_sharded_model", "barrier", "gather_per_rank"):
+            if hasattr(du, name):
+                wrap(du, name, before=called(name))
+
+        def destroying(name):  # the model's last state, while its meshes' groups still exist
+            def before(*a, **k):
+                probe.note_call(name)
+                probe.snapshot()
+            return before
+        wrap(du, "destroy_process_group", before=destroying("destroy_process_group"))
+
+        wrap(um, "peak_flops", before=called("peak_flops"))
+
+        def setup_after(result, *a, **k):
+            record["setup"][-1]["returned"] = [r if isinstance(r, int) else str(r)
+                                               for r in result]
+        wrap(du, "setup", before=lambda *a, **k: record["setup"].append({}), after=setup_after)
+
+        def broadcast_src(*a, **k):
+            return k.get("src", a[1] if len(a) > 1 else None)
+
+        def reduce_op(*a, **k):
+            return str(k.get("op", a[1] if len(a) > 1 else "SUM"))
+
+        wrap(dist, "all_reduce", before=called("dist.all_reduce", group_size=group_size,
+                                               op=reduce_op))
+        wrap(dist, "broadcast", before=called("dist.broadcast", src=broadcast_src))
+        wrap(dist, "destroy_process_group", before=destroying("dist.destroy_process_group"))
+
+        import torch.distributed.checkpoint as dcp
+
+        def dcp_save_before(*a, **k):
+            probe.note_call("dcp.save", path=str(k.get("checkpoint_id", a[1] if len(a) > 1
+                                                         else "")))
+        wrap(dcp, "save", before=dcp_save_before)
+        wrap(dcp, "load", before=called("dcp.load"))
+
+        def loaded(result, *a, **k):
+            if isinstance(result, dict):
+                record["loads"].append({k: v for k, v in result.items() if k != "loss_history"}
+                                       | {"loss_history_len": len(result.get("loss_history", []))})
+        wrap(du, "load_sharded_model", after=loaded)
+
+        # -- files written with torch.save (a state dict of weights: a model save)
+        def torch_save(obj, f, *a, **k):
+            if isinstance(obj, dict) and any("weight" in str(key) for key in obj):
+                where = probe.script_line(3)
+                record["saves"].append({"path": str(f), "line": where[1] if where else None})
+        wrap(torch, "save", before=torch_save)
+
+        # -- device meshes (the dims the script asked for), pipeline stages and schedules
+        import torch.distributed.device_mesh as dm
+
+        def mesh_after(mesh, *a, **k):
+            record["meshes"].append({
+                "device_type": a[0] if a else k.get("device_type"),
+                "shape": list(mesh.mesh.shape), "names": list(mesh.mesh_dim_names or []),
+                "coords": list(mesh.get_coordinate() or [])})
+        wrap(dm, "init_device_mesh", after=mesh_after)
+        import torch.distributed.tensor.parallel as tpar
+        wrap(tpar, "parallelize_module", before=called("parallelize_module"))
+        wrap(tpar, "loss_parallel", before=called("loss_parallel"))
+        import torch.distributed.pipelining as pl
+
+        def stage_init(self, submodule, stage_index, num_stages, *a, **k):
+            record["stages"].append({"stage_index": int(stage_index),
+                                     "num_stages": int(num_stages)})
+        wrap(pl.PipelineStage, "__init__", before=stage_init)
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle
+
+        def schedule_init(self, stage, n_microbatches=None, loss_fn=None, *a, **k):
+            record.setdefault("schedules", []).append({
+                "kind": type(self).__name__, "microbatches": n_microbatches,
+                "loss_fn": getattr(loss_fn, "__name__", None) if loss_fn else None})
+        wrap(PipelineScheduleSingle, "__init__", before=schedule_init)
+
+        def schedule_call(kind):
+            def before(self, *a, target=None, losses=None, **k):
+                stage = getattr(self, "_stage", None)
+                if len(record["schedule_calls"]) < 50:
+                    record["schedule_calls"].append({
+                        "kind": kind, "args": len(a), "target": target is not None,
+                        "losses": losses is not None, "is_first": bool(getattr(stage, "is_first", False)),
+                        "is_last": bool(getattr(stage, "is_last", False)),
+                        "has_loss_fn": getattr(self, "_loss_fn", None) is not None})
+            return before
+        wrap(PipelineScheduleSingle, "step", before=schedule_call("step"))
+        if hasattr(PipelineScheduleSingle, "eval"):
+            wrap(PipelineScheduleSingle, "eval", before=schedule_call("eval"))
+
+        # -- metrics: what the script logs, the tokens it counts, the clocks it reads
+        def logged(self, metrics, step):
+            record["logged"].append({"step": int(step), "metrics": {
+                k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))
+                or hasattr(v, "item")}})
+        wrap(um.MetricLogger, "log", before=logged)
+
+        def tokens(self, n):
+            record["tokens"].append(int(n))
+        wrap(um.Throughput, "step", before=tokens)
+
+        sync = um.synchronize
+
+        @functools.wraps(sync)
+        def synchronize_(device):  # the calls of the script itself, not of the helpers
+            if sys._getframe(1).f_code.co_filename == probe.script:
+                record["synchronize"] += 1
+            return sync(device)
+        um.synchronize = synchronize_
+
+        # -- the performance step: profilers started, and their operator table (printed?)
+        import torch.profiler as tprof
+
+        def profiler_started(*a, **k):
+            record["profilers_started"] = record.get("profilers_started", 0) + 1
+        wrap(tprof.profiler.profile, "start", before=profiler_started)
+
+        from torch.autograd.profiler_util import EventList
+
+        def table_after(result, self, *a, **k):
+            record.setdefault("tables", []).append({
+                "sort_by": k.get("sort_by"), "first_line": next(
+                    (l for l in str(result).splitlines() if l.strip()), "")})
+        wrap(EventList, "table", after=table_after)
+
+        # -- the performance step: what AdamW and torch.compile were asked for
+        def adamw_init(self, *a, **k):
+            record["adamw"].append(sorted(k))
+            probe.optimizers.append(self)
+        wrap(torch.optim.AdamW, "__init__", before=adamw_init)
+
+        def compile_(model=None, *a, **k):  # recorded, not run: compiling takes minutes
+            if model is None:  # @torch.compile(...) as a decorator
+                return lambda fn: fn
+            record["compiled"].append(type(model).__name__)
+            return model
+        torch.compile = compile_
+        torch.nn.Module.compile = lambda self, *a, **k: record["compiled"].append(
+            type(self).__name__)
+
+        # -- everything printed, with the line of the script that caused it
+        original_print = builtins.print
+
+        @functools.wraps(original_print)
+        def print_(*a, **k):
+            if k.get("file") in (None, sys.stdout, sys.stderr) and len(record["prints"]) < 2000:
+                caller = sys._getframe(1)
+                where = probe.script_line(2)
+                text = k.get("sep", " ").join(str(x) for x in a)
+                record["prints"].append({
+                    "text": text[:300], "line": where[1] if where else None,
+                    "t": time.perf_counter(),
+                    "by": f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_code.co_name}"})
+            return original_print(*a, **k)
+        builtins.print = print_
+
+    def output_hook(self, module, inputs, output):
+        """What the model returns: a DTensor (logits split over the vocabulary) or a tensor."""
+        if len(self.record.setdefault("outputs", [])) < 3:
+            self.record["outputs"].append({
+                "type": type(output).__name__, "shape": list(output.shape),
+                "local_shape": list(output.to_local().shape) if hasattr(output, "to_local")
+                else list(output.shape), "vocab": module.cfg.vocab_size
+                if hasattr(module, "cfg") else None})
+
+    def forward_pre_hook(self, module, inputs):
+        import torch
+        if len(self.record["autocast_forward"]) < 20:
+            device = next((x.device.type for x in inputs if hasattr(x, "device")), "cpu")
+            self.record["autocast_forward"].append(bool(torch.is_autocast_enabled(device)))
+
+    def linear_hook(self, module, inputs, output):
+        if len(self.record["forward_dtypes"]) < 20 and hasattr(output, "dtype"):
+            self.record["forward_dtypes"].append(str(output.dtype).replace("torch.", ""))
+
+    # ------------------------------------------------------------------------------- the run
+    def run(self) -> None:
+        stack_file = open(self.dump_dir / f"rank{self.rank}.stack", "w")  # noqa: SIM115
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+        self.install()
+        import torch.distributed as dist
+        spec = importlib.util.spec_from_file_location("participant_script", self.script)
+        module = importlib.util.module_from_spec(spec)
+        sys.argv = [self.script, *self.args]
+        record = self.record
+        try:
+            spec.loader.exec_module(module)
+            if self.eval_probe and hasattr(module, "evaluate"):
+                self.wrap_evaluate(module)
+            self.watch_functions(module)
+            module.main()
+        except SystemExit as e:
+            if e.code not in (0, None):
+                record["error"] = self.describe(e, exit_message=e.code)
+                if not isinstance(e.code, int):  # what Python prints when a script exits so
+                    print(e.code, file=sys.stderr)
+        except BaseException as e:  # noqa: BLE001 - reported to the participant
+            record["error"] = self.describe(e)
+            traceback.print_exc()
+        record["globals"] = module_globals(module)
+        record["group_alive"] = dist.is_initialized()
+        self.snapshot()
+        record["datasets"] = [d._check for d in self.datasets]
+        (self.dump_dir / f"rank{self.rank}.json").write_text(json.dumps(record, default=str))
+        if record["error"]:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)  # no teardown that could hang on a broken process group
+
+    def describe(self, e: BaseException, exit_message=None) -> dict:
+        frames = [{"file": f.filename, "line": f.lineno, "func": f.name, "text": f.line or ""}
+                  for f in traceback.extract_tb(e.__traceback__)]
+        if exit_message is not None and not isinstance(exit_message, int):
+            message = str(exit_message)
+        elif exit_message is not None:
+            message = ""
+        else:
+            message = f"{type(e).__name__}: {e}"
+        return {"type": type(e).__name__, "message": message.strip()[:600],
+                "exit": exit_message is not None, "frames": frames[-40:]}
+
+    def watch_functions(self, module) -> None:
+        """Record the arguments the script passes to its own functions of the lessons."""
+        record = self.record.setdefault("own_calls", {})
+        self.record["defined"] = [n for n in WATCHED_FUNCTIONS if callable(getattr(module, n, None))]
+        for name in WATCHED_FUNCTIONS:
+            original = getattr(module, name, None)
+            if not callable(original):
+                continue
+
+            def wrapper(*a, _name=name, _original=original, **k):
+                calls = record.setdefault(_name, [])
+                entry = {"args": [short(x) for x in a],
+                         "kwargs": {key: short(v) for key, v in k.items()}}
+                if len(calls) < 5:
+                    calls.append(entry)
+                result = _original(*a, **k)
+                entry["returned"] = True
+                return result
+            setattr(module, name, functools.wraps(original)(wrapper))
+
+    def wrap_evaluate(self, module) -> None:
+        original = module.evaluate
+        probe = self
+
+        def evaluate(model, loader, device, *rest, **kw):
+            value = original(model, loader, device, *rest, **kw)
+            entry = {"value": value, "resharded": probe.all_dtensor(model)}
+            entry["full"] = probe.full_eval(model, loader.dataset, device)
+            probe.record["evals"].append(entry)
+            return value
+        module.evaluate = evaluate
+
+    # ------------------------------------------------------------------ the model at the end
+    @staticmethod
+    def all_dtensor(model) -> bool:
+        from torch.distributed.tensor import DTensor
+        return all(isinstance(p, DTensor) for p in model.parameters())
+
+    @staticmethod
+    def full_eval(model, dataset, device) -> float:
+        """The whole split in this process (a collective under FSDP: every rank runs it)."""
+        import torch
+        import torch.nn.functional as F
+
+        import utils.data as ud
+        with torch.no_grad():
+            total = torch.zeros((), dtype=torch.float64)
+            count = 0
+            was = model.training
+            model.eval()
+            dataset._check["off"] = True
+            for i in range(0, len(dataset), 8):
+                xs, ys = zip(*(dataset[j] for j in range(i, min(i + 8, len(dataset)))), strict=True)
+                x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
+                logits = model(x)
+                if hasattr(logits, "full_tensor"):
+                    logits = logits.full_tensor()
+                total += F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum",
+                                         ignore_index=ud.IGNORE_INDEX).double().cpu()
+                count += (y != ud.IGNORE_INDEX).sum().item()
+            model.train(was)
+            dataset._check["off"] = False
+            if hasattr(model, "reshard"):
+                model.reshard()
+        return (total / count).item()
+
+    def snapshot(self) -> None:
+        """Describe the model (once: at teardown, or at the end after a failure)."""
+        if self.record.get("described"):
+            return
+        self.record["described"] = True
+        try:
+            self.describe_models()
+        except Exception as e:  # noqa: BLE001 - the record must be written whatever happened
+            self.record["describe_error"] = f"{type(e).__name__}: {e}"[:300]
+
+    def describe_models(self) -> None:
+        record = self.record
+        if not self.models:
+            return
+        m = self.models[0]
+        record["param_sum"] = float(sum(
+            (p.to_local() if hasattr(p, "to_local") else p).detach().double().sum()
+            for p in m.parameters()))
+        record["param_dtypes"] = sorted({str(p.dtype).replace("torch.", "")
+                                         for p in m.parameters()})
+        if self.optimizers:  # an optimizer made before the model was sharded holds old tensors
+            mine = {id(p) for p in m.parameters()}
+            held = [id(p) for g in self.optimizers[-1].param_groups for p in g["params"]]
+            record["optimizer_holds_model"] = bool(held) and all(i in mine for i in held)
+        record["fsdp"] = describe_fsdp(m)
+        record["tp"] = describe_tp(m)
+        record["meshes_used"] = describe_meshes(m)
+        record["layers"] = sorted(int(k) for k in m.layers)
+        record["parts"] = {name: getattr(m, name, None) is not None
+                           for name in ("tok_emb", "pos_emb", "norm", "output")}
+
+
+WATCHED_FUNCTIONS = ("apply_fsdp", "apply_tp", "split_pipeline_stage", "build_schedule",
+                     "make_profiler", "profiler_window", "check_tp_degree")
+
+
+def short(value):
+    """A JSON-able, short description of an argument."""
+    if isinstance(value, (bool, int, float, type(None))):
+        return value
+    if isinstance(value, str):
+        return {"str": value[:80]}
+    if type(value).__name__ == "DeviceMesh":
+        return {"type": "DeviceMesh", "names": list(value.mesh_dim_names or []),
+                "shape": list(value.mesh.shape)}
+    return {"type": type(value).__name__}
+
+
+def module_globals(module) -> dict:
+    """{name: "module.qualname"} of the classes, functions and modules the script holds."""
+    import types
+    found = {}
+    for name, obj in vars(module).items():
+        if isinstance(obj, types.ModuleType):
+            found[name] = obj.__name__
+        elif isinstance(obj, type) or callable(obj):
+            owner, qual = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+            if owner and qual and owner != "participant_script":
+                found[name] = f"{owner}.{qual}"
+    return found
+
+
+def describe_fsdp(m):
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    if not isinstance(m, FSDPModule) and not any(isinstance(b, FSDPModule)
+                                                 for b in m.layers.values()):
+        return None
+    plain = [n for n, p in m.named_parameters() if not isinstance(p, DTensor)]
+    reshard = []
+    for b in m.layers.values():
+        try:  # FSDP's internals: how the block was sharded (they differ between releases)
+            group = b._get_fsdp_state()._fsdp_param_group
+            flag = getattr(group, "_reshard_after_forward",
+                           group.post_forward_mesh_info is not None)
+        except Exception:  # noqa: BLE001
+            flag = None
+        reshard.append(flag)
+    return {"blocks": [isinstance(b, FSDPModule) for b in m.layers.values()],
+            "root": isinstance(m, FSDPModule), "all_dtensor": not plain, "plain": plain,
+            "reshard_after_forward": reshard}
+
+
+def describe_tp(m):
+    """Which planned TP split every parameter has ("wrong" lists the deviations)."""
+    from torch.distributed.tensor import DTensor, Shard
+    # column-wise: weight rows and bias split; row-wise: weight columns split, bias whole
+    plan = {"attn.q_proj.weight": 0, "attn.k_proj.weight": 0, "attn.v_proj.weight": 0,
+            "attn.out_proj.weight": 1, "mlp.in_proj.weight": 0, "mlp.out_proj.weight": 1,
+            "attn.q_proj.bias": 0, "attn.k_proj.bias": 0, "attn.v_proj.bias": 0,
+            "mlp.in_proj.bias": 0}
+    wrong, split = [], 0
+    for name, p in m.named_parameters():
+        key = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        dim = plan.get(key, {"tok_emb.weight": 0, "output.weight": 0,
+                             "output.bias": 0}.get(name))
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        if dim is None:
+            if "tp" in names and any(pl.is_shard() for pl in
+                                     [p.placements[names.index("tp")]]):
+                wrong.append(f"{name} is split over tp, but it should stay whole")
+            continue
+        if "tp" not in names:
+            wrong.append(f"{name} is not split over the tp mesh")
+            continue
+        split += 1
+        placement = p.placements[names.index("tp")]
+        if placement != Shard(dim):
+            wrong.append(f"{name} is {placement}, expected Shard({dim})")
+    return {"wrong": wrong, "split": split}
+
+
+def describe_meshes(m):
+    """The meshes the parameters live on: names and sizes."""
+    from torch.distributed.tensor import DTensor
+    seen = {}
+    for p in m.parameters():
+        if isinstance(p, DTensor):
+            mesh = p.device_mesh
+            key = tuple(mesh.mesh_dim_names or ())
+            seen[",".join(key)] = list(mesh.mesh.shape)
+    return seen
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    Probe(argv[0], argv[1:]).run()
+
+
+if __name__ == "__main__":
+    main()

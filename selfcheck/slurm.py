@@ -1,0 +1,292 @@
+"""A job file run as Slurm would run it, with stand-ins for the cluster's commands.
+
+`submit()` reads the file's #SBATCH lines like sbatch (nodes, tasks per node, GPUs, CPUs; options
+given on the command line win), sets the variables a job sees (SLURM_*, CUDA_VISIBLE_DEVICES for
+the GPUs asked for), and runs the file with bash. Stand-ins on PATH record what would start:
+    scontrol   prints the job's node names, one line at a time (as a big job's list arrives:
+               a reader that stops early, `head -n 1`, kills it with SIGPIPE)
+    nslookup   answers the InfiniBand names <node>i it was given, NXDOMAIN for the rest
+    srun       starts its command once per task on every node (SLURM_NODEID, SLURM_PROCID, ...)
+    torchrun   records its arguments and how many processes it would start (gpu: the GPUs
+               visible to it), starts nothing
+    python     records its arguments (a process srun starts directly)
+    nsys       records its arguments, writes the report (refusing to overwrite one without
+               --force-overwrite=true, as nsys does), then records the program it wraps
+Every record is one JSON line in the job's launch log: `Job.launches`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import stat
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+STANDIN = r'''#!PYTHON
+import json, os, sys, time
+name, args = os.path.basename(sys.argv[0]), sys.argv[1:]
+env = os.environ
+
+def log(**entry):
+    entry.update(cmd=name, node=int(env.get("SLURM_NODEID", -1)),
+                 task=int(env.get("SLURM_LOCALID", -1)), args=args)
+    with open(env["FAKE_LOG"], "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+def option(names, default=None, words=None):
+    """The value of --name=value / --name value / -n value in `words`."""
+    words = args if words is None else words
+    for i, a in enumerate(words):
+        for n in names:
+            if a == n and i + 1 < len(words):
+                return words[i + 1]
+            if a.startswith(n + "=") and n.startswith("--"):
+                return a.split("=", 1)[1]
+    return default
+
+nodes = env["FAKE_NODES"].split()
+if name == "scontrol":
+    if args[:2] == ["show", "hostnames"]:
+        try:
+            for n in nodes:
+                sys.stdout.write(n + "\n")
+                sys.stdout.flush()
+                time.sleep(0.05)
+        except BrokenPipeError:
+            os._exit(141)  # what SIGPIPE does to the real one
+    sys.exit(0)
+if name == "nslookup":
+    dns = dict(e.split("=", 1) for e in env.get("FAKE_DNS", "").split() if "=" in e)
+    host = args[-1] if args else ""
+    if host in dns:
+        print(f"Server:\t\t127.0.0.53\nAddress:\t127.0.0.53#53\n\nName:\t{host}\nAddress: {dns[host]}")
+        sys.exit(0)
+    print(f"** server can't find {host}: NXDOMAIN")
+    sys.exit(1)
+if name == "srun":
+    i = 0
+    words = []
+    while i < len(args) and args[i].startswith("-"):
+        words.append(args[i])
+        if "=" not in args[i] and args[i] in ("-n", "-N", "-c", "--ntasks", "--nodes",
+                "--ntasks-per-node", "--cpus-per-task", "--gpus-per-task", "--gres",
+                "--cpu-bind", "--cpu_bind", "--mpi", "-o", "-e", "--output", "--error",
+                "--label", "--gpus", "-G", "--mem", "--distribution", "-m", "--het-group"):
+            if args[i] != "--label":
+                i += 1
+                words.append(args[i] if i < len(args) else "")
+        i += 1
+    command = args[i:]
+    n_nodes = int(str(option(["--nodes", "-N"], len(nodes), words)).split("-")[0])
+    per_node = option(["--ntasks-per-node"], None, words)
+    total = option(["--ntasks", "-n"], None, words)
+    if per_node is None:
+        per_node = (int(total) // n_nodes if total else
+                    int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
+    log(options=words, tasks_per_node=int(per_node), nodes=n_nodes)
+    status = 0
+    for node in range(n_nodes):
+        for local in range(int(per_node)):
+            task_env = dict(env, SLURM_NODEID=str(node), SLURMD_NODENAME=nodes[node],
+                            SLURM_LOCALID=str(local), SLURM_PROCID=str(node * int(per_node) + local),
+                            SLURM_STEP_NUM_TASKS=str(n_nodes * int(per_node)),
+                            SLURM_STEP_NUM_NODES=str(n_nodes))
+            import subprocess
+            status = subprocess.call(command, env=task_env) or status
+    sys.exit(status)
+if name == "torchrun":
+    nproc = option(["--nproc_per_node", "--nproc-per-node"], "1")
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if nproc == "gpu":
+        count = len(visible)
+    elif nproc == "auto":
+        count = len(visible) or 1
+    else:
+        count = int(nproc) if nproc.isdigit() else -1
+    log(processes=count, visible_gpus=len(visible), env=dict(env))
+    sys.exit(0)
+if name == "nsys":
+    out = option(["-o", "--output"], "report")
+    force = option(["--force-overwrite", "-f"], "false")
+    report = out if out.endswith(".nsys-rep") else out + ".nsys-rep"
+    log(env=dict(env))
+    if args and args[0] == "profile":
+        if os.path.exists(report) and force != "true":
+            print(f"Error: {report} already exists: use --force-overwrite=true", file=sys.stderr)
+            sys.exit(1)
+        # a report outside the job's folder is recorded, not written (never into the repository)
+        if os.path.abspath(report).startswith(env["FAKE_JOB_DIR"] + os.sep):
+            os.makedirs(os.path.dirname(os.path.abspath(report)), exist_ok=True)
+            open(report, "w").close()
+    sys.exit(0)
+if name == "python":
+    log(processes=1, visible_gpus=len([g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",")
+                                        if g.strip()]), env=dict(env))
+    sys.exit(0)
+sys.exit(0)
+'''
+STANDINS = ("scontrol", "nslookup", "srun", "torchrun", "python", "nsys")
+
+
+@dataclass
+class Job:
+    """What happened when a job file ran: bash's result and every recorded launch."""
+    returncode: int
+    stdout: str
+    stderr: str
+    launches: list = field(default_factory=list)
+    directives: dict = field(default_factory=dict)
+    nodes: tuple = ()
+    out_dir: str = ""
+
+    def of(self, cmd: str, node: int | None = None) -> list[dict]:
+        return [e for e in self.launches if e["cmd"] == cmd and (node is None or e["node"] == node)]
+
+    def workers(self) -> list[dict]:
+        """The launches that start training processes: torchrun, or python started by srun."""
+        return [e for e in self.launches if e["cmd"] in ("torchrun", "python")]
+
+    def processes_per_node(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for e in self.workers():
+            counts[e["node"]] = counts.get(e["node"], 0) + max(e.get("processes", 0), 0)
+        return counts
+
+    def bash_error(self) -> tuple[int | None, str]:
+        """(line, message) of bash's own error ("line 12: X: unbound variable"), if any."""
+        for l in self.stderr.splitlines()[::-1]:
+            m = re.search(r"line (\d+): (.*)", l)
+            if m:
+                return int(m.group(1)), m.group(2).strip()
+        last = (self.stderr.strip().splitlines() or [""])[-1]
+        return None, last
+
+
+def sbatch_directives(text: str) -> dict:
+    """The options of the #SBATCH lines, as {option: value} ("--nodes": "2", ...)."""
+    found = {}
+    short = {"-N": "--nodes", "-n": "--ntasks", "-c": "--cpus-per-task", "-G": "--gpus",
+             "-A": "--account", "-p": "--partition", "-t": "--time", "-J": "--job-name"}
+    for line in text.splitlines():
+        if not line.startswith("#SBATCH"):
+            continue
+        words = shlex.split(line[len("#SBATCH"):].split(" #")[0])
+        i = 0
+        while i < len(words):
+            w = words[i]
+            if w.startswith("--") and "=" in w:
+                k, v = w.split("=", 1)
+            elif w in short or (w.startswith("--") and i + 1 < len(words)):
+                k, v = short.get(w, w), words[i + 1]
+                i += 1
+            else:
+                k, v = w, ""
+            found[short.get(k, k)] = v
+            i += 1
+    return found
+
+
+def gpus_of(directives: dict) -> int:
+    gres = directives.get("--gres", "")
+    m = re.search(r"gpu(?::[a-zA-Z]\w*)?:(\d+)", gres)
+    if m:
+        return int(m.group(1))
+    if directives.get("--gpus-per-node"):
+        return int(re.sub(r"\D", "", directives["--gpus-per-node"].split(":")[-1]) or 0)
+    return 0
+
+
+def node_names(n: int) -> tuple[str, ...]:
+    return tuple(f"jrc{i:04d}" for i in range(1, n + 1))
+
+
+def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242",
+           nodes: int | None = None, dns: bool = True, env_extra: dict | None = None,
+           out_dir: Path | None = None, timeout: float = 60) -> Job:
+    """`sbatch [--nodes=N] script args` on a pretend cluster of jrc0001, jrc0002, ... whose
+    InfiniBand names jrc0001i, ... resolve (dns=False: no such names, as at most sites)."""
+    text = Path(script).read_text()
+    directives = sbatch_directives(text)
+    n_nodes = nodes or int(str(directives.get("--nodes", "1")).split("-")[0] or 1)
+    names = node_names(n_nodes)
+    d = Path(tempfile.mkdtemp(dir=work, prefix="job-"))
+    bin_dir, venv = d / "bin", d / "venv"
+    for x in (bin_dir, venv / "bin"):
+        x.mkdir(parents=True)
+    (venv / "bin" / "activate").write_text("")
+    body = STANDIN.replace("#!PYTHON", f"#!{sys.executable}")
+    for name in STANDINS:
+        f = bin_dir / name
+        f.write_text(body)
+        f.chmod(f.stat().st_mode | stat.S_IEXEC)
+    gpus = gpus_of(directives)
+    per_node = directives.get("--ntasks-per-node") or (
+        str(int(directives["--ntasks"]) // n_nodes) if directives.get("--ntasks") else "1")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "SBATCH_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE",
+                                "SCRIPT", "OUT_DIR", "NSYS", "TORCHELASTIC_", "VENV"))}
+    log = d / "launches.jsonl"
+    log.write_text("")
+    # bash reads BASH_ENV first: an ERR trap that names the line where the job file stopped
+    # (set -e alone stops silently, e.g. on a pipeline killed by SIGPIPE)
+    trap = d / "trap.sh"
+    trap.write_text("set -E\ntrap 'echo \"$BASH_SOURCE: line $LINENO: a command failed with "
+                    "exit status $?\" >&2' ERR\n")
+    env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", VENV=str(venv), FAKE_LOG=str(log),
+               FAKE_JOB_DIR=str(work),
+               FAKE_NODES=" ".join(names),
+               FAKE_DNS=" ".join(f"{n}i=10.10.0.{i + 1}" for i, n in enumerate(names)) if dns
+               else "",
+               SLURM_SUBMIT_DIR=str(d), SLURM_JOB_NAME=directives.get("--job-name", "job"),
+               SLURM_JOB_ID=job_id, SLURM_JOBID=job_id, SLURM_JOB_NODELIST=",".join(names),
+               SLURM_NODELIST=",".join(names), SLURM_JOB_NUM_NODES=str(n_nodes),
+               SLURM_NNODES=str(n_nodes), SLURM_NTASKS_PER_NODE=per_node,
+               SLURM_NTASKS=str(int(per_node) * n_nodes),
+               SLURM_CPUS_PER_TASK=directives.get("--cpus-per-task", "1"),
+               SLURMD_NODENAME=names[0], SLURM_NODEID="0",
+               OUT_DIR=str(out_dir or d / "out"), BASH_ENV=str(trap), **(env_extra or {}))
+    if gpus:
+        env.update(CUDA_VISIBLE_DEVICES=",".join(str(i) for i in range(gpus)),
+                   SLURM_GPUS_ON_NODE=str(gpus), SLURM_JOB_GPUS=",".join(str(i) for i in range(gpus)))
+    try:
+        proc = subprocess.run(["bash", str(script), *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+        result = (proc.returncode, proc.stdout, proc.stderr)
+    except subprocess.TimeoutExpired as e:
+        result = (124, e.stdout or "", (e.stderr or "") + f"\nno end after {timeout} s")
+    launches = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
+    return Job(*result, launches=launches, directives=directives, nodes=names,
+               out_dir=env["OUT_DIR"])
+
+
+def describe(job: Job) -> list[str]:
+    """Per node, what srun would start there and the variables that matter (the dry run)."""
+    keys = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE",
+            "SLURM_NODEID", "SLURM_PROCID", "SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS",
+            "HF_HUB_OFFLINE", "COURSE_DATA_CACHE")
+    lines = [f"sbatch {' '.join(f'{k}={v}' if v else k for k, v in job.directives.items())}",
+             f"job on {len(job.nodes)} node(s): {', '.join(job.nodes)}"]
+    for e in job.of("srun"):
+        lines.append(f"srun {' '.join(e['options'])}: {e['tasks_per_node']} task(s) on each "
+                     f"of {e['nodes']} node(s)")
+    for e in job.workers() + job.of("nsys"):
+        node = job.nodes[e["node"]] if 0 <= e["node"] < len(job.nodes) else "?"
+        what = (f"{e['processes']} process(es)" if "processes" in e else "")
+        lines.append(f"  {node} task {e['task']}: {e['cmd']} {shlex.join(e['args'])}"
+                     + (f"   -> {what}" if what else ""))
+        env = e.get("env", {})
+        shown = [f"{k}={env[k]}" for k in keys if k in env]
+        if shown:
+            lines.append("      " + " ".join(shown))
+    if job.returncode:
+        lines.append(f"the job file stopped with exit code {job.returncode}: "
+                     f"{(job.stderr.strip().splitlines() or [''])[-1]}")
+    return lines

@@ -1,0 +1,94 @@
+"""The participant's file next to the exercise as shipped: which TODOs were touched, and which
+TODO a line of the file belongs to.
+
+Neither decides whether a TODO works: the checks judge behaviour. The text only tells a TODO
+nobody has touched yet ("not started") from a wrong attempt ("FIX"), and names the TODO of the
+line a crash happened on.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+
+TODO_COMMENT = re.compile(r"^\s*#\s*TODO (\d+)\b")  # a TODO comment, not a mention
+
+
+def parse_blocks(source: str):
+    """The course source split into ("text", line) and ("block", (todo, exercise lines))."""
+    items, state, todo, ex = [], None, None, []
+    for line in source.splitlines(keepends=True):
+        m = line.strip()
+        if m == "#| exercise":
+            state, ex = "exercise", []
+            continue
+        if m == "#| solution":
+            state = "solution"
+            continue
+        if m == "#| end":
+            items.append(("block", (todo, ex)))
+            state = None
+            continue
+        if state is None:
+            found = TODO_COMMENT.match(line)
+            if found:
+                todo = int(found.group(1))
+            items.append(("text", line))
+        elif state == "exercise":
+            ex.append(line)
+    return items
+
+
+class Ownership:
+    """The exercise as shipped, lined up against the participant's file."""
+
+    def __init__(self, source: str, text: str):
+        items = parse_blocks(source)
+        shipped, owner, gaps = [], [], {}  # gaps: position of an empty block -> its TODOs
+        comment_todo = []                  # the TODO comment above each shipped line
+        current = None
+        for kind, payload in items:
+            if kind == "text":
+                found = TODO_COMMENT.match(payload)
+                current = int(found.group(1)) if found else current
+                shipped.append(payload)
+                owner.append(None)
+                comment_todo.append(current)
+            else:
+                n, lines = payload
+                if not lines:
+                    gaps.setdefault(len(shipped), []).append(n)
+                shipped += lines
+                owner += [n] * len(lines)
+                comment_todo += [n] * len(lines)
+        self.todos = sorted({p[0] for kind, p in items if kind == "block"})
+        mine = text.splitlines(keepends=True)
+        self.line_owner: dict[int, int | None] = {}  # 1-based line of `text` -> TODO
+        self.touched: set[int] = set()
+        matcher = difflib.SequenceMatcher(None, shipped, mine, autojunk=False)
+        for op, i1, i2, j1, j2 in matcher.get_opcodes():
+            if op == "equal":
+                for k in range(i2 - i1):
+                    self.line_owner[j1 + k + 1] = owner[i1 + k]
+                continue
+            touched = {owner[i] for i in range(i1, i2) if owner[i] is not None}
+            if op == "insert":  # lines added right before or after a block's own lines edit it
+                touched |= {owner[i] for i in (i1 - 1, i1) if 0 <= i < len(owner)} - {None}
+            for pos in range(i1, i2 + 1):
+                touched |= set(gaps.get(pos, []))
+            self.touched |= touched
+            # new lines belong to the block they edit, or else to the TODO comment above them
+            guess = min(touched) if touched else (comment_todo[i1 - 1] if i1 > 0 else None)
+            for j in range(j1, j2):
+                self.line_owner[j + 1] = guess
+
+    def status(self) -> dict[int, str]:
+        return {n: "edited" if n in self.touched else "not started" for n in self.todos}
+
+    def todo_of_line(self, line: int | None) -> int | None:
+        return self.line_owner.get(line) if line else None
+
+
+def todo_status(source: str, text: str) -> dict[int, str]:
+    """For every TODO number: "not started" (all its blocks as shipped) or "edited"."""
+    return Ownership(source, text).status()

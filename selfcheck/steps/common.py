@@ -1,0 +1,562 @@
+"""What several steps check the same way: a crash, the imports, the samplers, who prints,
+the numbers a run logs, the weights it saves."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from selfcheck.compare import first_difference, load_weights, near, weights_close
+from selfcheck.report import Report
+from selfcheck.runs import SEQ_LEN
+from selfcheck.status import Ownership
+
+
+@dataclass
+class Context:
+    """Everything a step's check needs: the file, its TODOs, where to work, the report."""
+    step: str
+    script: Path
+    work: Path
+    source: str          # course/<file>: exercise and solution of every TODO block
+    text: str            # the participant's file
+    report: Report
+    owner: Ownership
+    root: Path = Path(__file__).resolve().parents[2]
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def status(self) -> dict:
+        return self.report.status
+
+    def todo_of(self, line) -> int | None:
+        return self.owner.todo_of_line(line)
+
+    def imports_of(self) -> dict[int, dict[str, str]]:
+        """TODO -> {name: "module.attribute"} that its solution imports."""
+        found: dict[int, dict[str, str]] = {}
+        source = self.source
+        for todo, block in solution_blocks(source):
+            for name, target in imported_names("".join(block)).items():
+                found.setdefault(todo, {})[name] = target
+        return found
+
+
+def solution_blocks(source: str):
+    """(TODO, solution lines) of every block of a course source."""
+    out, state, todo, sol = [], None, None, []
+    from selfcheck.status import TODO_COMMENT
+    for line in source.splitlines(keepends=True):
+        m = line.strip()
+        if m == "#| exercise":
+            state = "exercise"
+            continue
+        if m == "#| solution":
+            state, sol = "solution", []
+            continue
+        if m == "#| end":
+            out.append((todo, sol))
+            state = None
+            continue
+        if state is None:
+            found = TODO_COMMENT.match(line)
+            todo = int(found.group(1)) if found else todo
+        elif state == "solution":
+            sol.append(line)
+    return out
+
+
+def imported_names(code: str) -> dict[str, str]:
+    """{name bound: "module.attribute" or "module"} of the import statements in `code`."""
+    import ast
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return {}
+    names = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            for a in node.names:
+                names[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                names[a.asname or a.name.split(".")[0]] = a.name
+    return names
+
+
+# ------------------------------------------------------------------------------- crashes
+def import_todo(ctx: Context, name: str) -> int | None:
+    for todo, names in ctx.imports_of().items():
+        if name in names or any(t.rsplit(".", 1)[-1] == name for t in names.values()):
+            return todo
+    return None
+
+
+KNOWN_CAUSES = [
+    # (pattern in the error, what usually causes it)
+    (r"device_ids can only be None|only work with single-device/multiple-device GPU modules",
+     "on the CPU DDP takes device_ids=None: device_ids=[local_rank] if device.type == 'cuda' "
+     "else None"),
+    (r"mutually exclusive with shuffle|sampler option is mutually exclusive",
+     "a DataLoader with a sampler must not get shuffle=True: the sampler shuffles"),
+    (r"mixed torch\.Tensor and DTensor",
+     "a plain tensor met a DTensor: the loss over split logits needs loss_parallel(), and a "
+     "DTensor result needs .full_tensor() before plain tensor code uses it"),
+    (r"save0 got sharded",
+     "save0 cannot save sharded weights: use save_full_model (or a DCP save)"),
+    (r"Default process group has not been initialized|process group has not been initialized",
+     "a collective before setup(): call setup() first"),
+    (r"unrecognized arguments",
+     "the script's parser has no such option yet"),
+    (r"Profiler must be initialized", "the profiler recorded no step: call profiler.step() "
+     "after every training step"),
+    (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
+     "tensor shapes do not fit: a layer split or kept where it should not be"),
+]
+
+
+def usual_cause(message: str) -> str | None:
+    for pattern, cause in KNOWN_CAUSES:
+        if re.search(pattern, message):
+            return cause
+    return None
+
+
+def crash_todo(ctx: Context, failure) -> int | None:
+    """The TODO a crash belongs to: an unknown name's import, else the innermost line of the
+    script on the error's way that a TODO owns."""
+    m = re.search(r"name '(\w+)' is not defined", failure.message)
+    if m:
+        todo = import_todo(ctx, m.group(1))
+        if todo:
+            return todo
+    m = re.search(r"cannot import name '(\w+)'|No module named '([\w.]+)'", failure.message)
+    if m:
+        todo = import_todo(ctx, m.group(1) or m.group(2).rsplit(".", 1)[-1])
+        if todo:
+            return todo
+    # a helper whose TODO is known (destroy_process_group: the last TODO of the DDP step), from
+    # whatever line it was called
+    calls_todo = ctx.extra.get("call_todo", {})
+    if failure.callee in calls_todo:
+        return calls_todo[failure.callee]
+    for frame in reversed(failure.frames):
+        todo = ctx.todo_of(frame.get("line"))
+        if todo is not None:
+            return todo
+    return None
+
+
+def report_crash(ctx: Context, run, todo: int | None = None, cause: str | None = None,
+                 default_todo: int | None = None) -> int | None:
+    """One FIX line for a run that did not finish, under the TODO it belongs to."""
+    f = run.failure
+    rep = ctx.report
+    if f is None:
+        return None
+    todo = todo or crash_todo(ctx, f) or default_todo
+    who = f"rank {f.rank}" if f.rank is not None and run.geometry.world > 1 else "your script"
+    finished = [r for r, e in run.ended.items() if e == "exit 0"]
+    if f.kind in ("hung", "timeout") or f.peer:
+        call = f" in {f.callee}" if f.callee and f.callee not in ("wait", "wrapper") else ""
+        other = f"rank {finished[0]}, which had finished," if finished else "another rank"
+        what = (f"{who} waited at line {f.line}{call} for a collective that {other} never "
+                f"joined" if f.line else f"{who} waited for the other ranks and never finished")
+        cause = cause or ("every rank must make the same collective calls in the same order "
+                          "(no `if rank == 0:` around a save or an all-reduce)")
+    else:
+        what = f"{who} stopped{f.where()} with: {f.message}"
+        cause = cause or usual_cause(f.message)
+    text = what + (f": {cause}" if cause else "")
+    if todo is not None and todo in rep.names:
+        if ctx.status.get(todo) == "not started" and todo not in rep.attempted:
+            done = [n for n, s in ctx.status.items() if s == "edited" and n < todo]
+            later = f" now that TODO {max(done)} is done" if done else ""
+            rep.needed(todo, f"the run needs it{later}: {text}")
+        else:
+            rep.fail(todo, text)
+            rep.attempt(todo)
+    else:
+        first = next((n for n, s in sorted(ctx.status.items()) if s == "not started"), None)
+        target = first if first is not None else max(rep.names)
+        if first is not None:
+            text += f" (TODO {first} is not started yet: the TODOs work in order, finish it first)"
+        rep.fail(target, text)
+        rep.attempt(target)
+    return todo
+
+
+def stopped_early(ctx: Context, *runs) -> bool:
+    """Report the first run that crashed; True if one did (the other checks need its files)."""
+    for run in runs:
+        if run is not None and run.crashed:
+            report_crash(ctx, run)
+            ctx.report.note(f"(full output of the {run.name} run: {run.dir / 'output.txt'})")
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------- imports
+def check_imports(ctx: Context, todo: int, run) -> None:
+    """A TODO that imports: ok when the script runs and holds what the solution imports (under
+    any name, in any import line); a missing one is named with where it comes from."""
+    wanted = ctx.imports_of().get(todo, {})
+    record = next((r for r in run.ranks if r), None)
+    if not wanted or record is None or "globals" not in record:
+        return
+    bound = set(record.get("globals", {}).values())
+    missing = [t for t in wanted.values() if t not in bound and t.split(".")[-1] not in
+               {b.split(".")[-1] for b in bound}]
+    if ctx.report.failed(todo):
+        return
+    if not missing:
+        ctx.report.ok(todo, "everything the step uses is imported")
+    elif len(missing) == len(wanted):
+        ctx.report.fail(todo, "nothing of it is imported yet: " + ", ".join(
+            short_import(t) for t in wanted.values()))
+    else:
+        used = {c["name"] for r in run.ranks if r for c in r.get("calls", [])}
+        really = [t for t in missing if t.rsplit(".", 1)[-1] in used]
+        if really:
+            ctx.report.fail(todo, "import " + ", ".join(short_import(t) for t in really))
+        else:  # the script does without them: nothing to fix
+            ctx.report.ok(todo, "the names the script uses are imported")
+
+
+def short_import(target: str) -> str:
+    module, _, name = target.rpartition(".")
+    return f"{name} from {module}" if module else target
+
+
+# ------------------------------------------------------------------------------- samplers
+def sampler_records(record, kind=None):
+    return [s for s in record.get("samplers", []) if kind is None or s["kind"] == kind]
+
+
+def train_sampler(record):
+    """The sampler of the training DataLoader (dataset 0), if any."""
+    for loader in record.get("loaders", []):
+        if loader["dataset"] == 0 and loader["sampler"] is not None:
+            return record["samplers"][loader["sampler"]]
+    return None
+
+
+def epoch_passes(record, which):
+    ds = record.get("datasets", [])
+    return ds[which]["passes"] if which < len(ds) else []
+
+
+def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica_of,
+                          made_is_attempt=True):
+    """Each replica trains on its own shard: `replicas` replicas, rank r in replica_of(r).
+    made_is_attempt: building a DistributedSampler at all shows the TODO was started (not in
+    the steps whose exercise has samplers already)."""
+    rep = ctx.report
+    records = run.ranks
+    n_train = records[0]["datasets"][0]["len"] if records[0].get("datasets") else 0
+    passes = [epoch_passes(r, 0) for r in records]
+    if not all(passes):
+        if not run.crashed:
+            rep.fail(todo_loader, "no training batch was read")
+        return
+    firsts = [p[0] for p in passes]
+    samplers = [train_sampler(r) for r in records]
+    made = [sampler_records(r, "DistributedSampler") for r in records]
+    if any(made) and made_is_attempt:
+        rep.attempt(todo_sampler)
+    if made_is_attempt and any(l["sampler"] is not None for r in records
+                               for l in r.get("loaders", [])):
+        rep.attempt(todo_loader)
+    problems = []
+    if run.crashed and not all(firsts):
+        return  # the crash is the news
+    for rank, (sampler, record) in enumerate(zip(samplers, records, strict=True)):
+        given = (sampler or {}).get("given", {})
+        if sampler is None:
+            if made[rank]:
+                problems.append((todo_loader, "the training DataLoader has no sampler: "
+                                 "DataLoader(train_ds, sampler=train_sampler, drop_last=True, ...) "
+                                 "and no shuffle=True (the sampler shuffles)"))
+            else:
+                problems.append((todo_sampler, None))
+            break
+        want_rank = replica_of(rank)
+        got_replicas, got_rank = given.get("num_replicas"), given.get("rank")
+        if got_replicas is not None and got_replicas != replicas:
+            problems.append((todo_sampler, f"the training sampler has num_replicas="
+                             f"{got_replicas}, there are {replicas} data-parallel replicas"))
+            break
+        if got_rank is not None and got_rank != want_rank:
+            local = record["local_rank"]
+            why = (" (that is LOCAL_RANK: on two nodes both first processes would read the "
+                   "same data; use the global rank)" if got_rank == local and local != want_rank
+                   else "")
+            problems.append((todo_sampler, f"rank {rank}'s training sampler has rank={got_rank}, "
+                             f"expected {want_rank}{why}"))
+            break
+        if given.get("shuffle") is False:
+            problems.append((todo_sampler, "the training sampler has shuffle=False: it must "
+                             "shuffle (shuffle=True, seed=args.seed)"))
+            break
+    if not problems:
+        groups: dict[int, list[list[int]]] = {}
+        for rank, first in enumerate(firsts):
+            groups.setdefault(replica_of(rank), []).append(first)
+        if any(any(g != group[0] for g in group) for group in groups.values()):
+            problems.append((todo_sampler, "the ranks of one replica read different batches"))
+        else:
+            shards = [group[0] for group in groups.values()]
+            seen = [i for s in shards for i in s]
+            if len(seen) != len(set(seen)):
+                common = len(seen) - len(set(seen))
+                problems.append((todo_sampler if len(shards) > 1 else todo_loader,
+                                 f"the replicas train on {common} samples in common in epoch 0"))
+            elif len(seen) < n_train - replicas * 8 and not run.crashed:
+                problems.append((todo_sampler, f"the replicas read {len(seen)} of {n_train} "
+                                 "training samples per epoch"))
+    for todo, text in problems[:1]:
+        rep.fail(todo, text or "every rank reads the whole training set: train_sampler = "
+                 "DistributedSampler(...) (see the TODO), passed to the training DataLoader")
+    if not problems:
+        each = len(firsts[0])
+        rep.ok(todo_sampler, f"each of the {replicas} replica(s) trains on its own shard "
+                             f"({each} samples per epoch)" if replicas > 1 else
+                             "the ranks of the one replica read the same batches")
+        rep.ok(todo_loader, "the training DataLoader takes its batches from the sampler")
+
+
+def check_new_order(ctx, run, todo_epoch, todo_sampler):
+    rep = ctx.report
+    record = run.ranks[0]
+    passes = epoch_passes(record, 0)
+    if len(passes) < 2:
+        return
+    calls = record.get("set_epoch", [])
+    if calls:
+        rep.attempt(todo_epoch)
+    sampler = train_sampler(record)
+    if sampler is None:
+        if calls:
+            rep.fail(todo_epoch, "set_epoch is called, but the training DataLoader has no "
+                     "DistributedSampler to tell")
+        return  # without a sampler there is nothing to tell the epoch (reported with it)
+    if passes[0] != passes[1]:
+        rep.ok(todo_epoch, "every epoch has a new order")
+    elif sampler and sampler["given"].get("shuffle") is False:
+        pass  # reported under the sampler's TODO
+    elif calls and len({e for _, e in calls}) == 1:
+        rep.fail(todo_epoch, f"set_epoch is called with {calls[0][1]} every time: "
+                 "train_sampler.set_epoch(epoch), with the epoch's number")
+    elif calls and sampler is not None and all(
+            record["samplers"][i] is not sampler for i, _ in calls if i is not None):
+        rep.fail(todo_epoch, "set_epoch is called on another sampler than the training one")
+    else:
+        rep.fail(todo_epoch, "every epoch repeats the first epoch's order: call "
+                 "train_sampler.set_epoch(epoch) at the start of each epoch")
+
+
+def check_eval_reads(ctx, run, todo, replicas, replica_of, made_is_attempt=True,
+                     todo_loader=None):
+    """Validation reads every sample exactly once per replica (DistributedEvalSampler)."""
+    rep = ctx.report
+    records = run.ranks
+    if len(records[0].get("datasets", [])) < 2:
+        return
+    n_val = records[0]["datasets"][1]["len"]
+    passes = [epoch_passes(r, 1) for r in records]
+    if not all(passes):
+        return
+    if made_is_attempt and any(sampler_records(r, "DistributedEvalSampler") for r in records):
+        rep.attempt(todo)
+    val_loaders = [l for l in records[0].get("loaders", []) if l["dataset"] == 1]
+    eval_samplers = [s for s in sampler_records(records[0]) if s["dataset"] == 1]
+    if eval_samplers and val_loaders and all(l["sampler"] is None for l in val_loaders):
+        rep.fail(todo_loader or todo, "the validation sampler is made but its DataLoader does not "
+                 "get it: DataLoader(val_ds, sampler=val_sampler, ...), the same for test")
+        return False
+    groups: dict[int, list] = {}
+    for rank, p in enumerate(passes):
+        groups.setdefault(replica_of(rank), []).append(p[0])
+    if any(any(g != group[0] for g in group) for group in groups.values()):
+        rep.fail(todo, "the ranks of one replica evaluate different samples: the evaluation "
+                 "samplers count replicas too")
+        return
+    real = [i for group in groups.values() for i in group[0] if i < n_val]
+    if sorted(real) == list(range(n_val)):
+        rep.ok(todo, "evaluation reads every validation sample exactly once")
+        return True
+    twice = len(real) - len(set(real))
+    text = (f"evaluation reads {twice} validation samples twice" if twice
+            else f"evaluation reads {len(set(real))} of the {n_val} validation samples")
+    kinds = {s["kind"] for r in records for s in sampler_records(r) if s["dataset"] == 1}
+    hint = ("DistributedSampler pads by repeating samples: use DistributedEvalSampler(val_ds, "
+            "num_replicas, rank) for validation and test" if "DistributedSampler" in kinds else
+            "val_sampler = DistributedEvalSampler(val_ds, num_replicas, rank), the same for "
+            "test, passed to their DataLoaders")
+    rep.fail(todo, f"{text}: {hint}")
+    return False
+
+
+# ----------------------------------------------------------------------------- printing
+PER_RANK_LINES = re.compile(r"^(setup: rank|WARNING: Slurm gave|\[W|\[rank|W\d{4}|I\d{4}|"
+                            r"\s*$|warnings\.warn|.*UserWarning)")
+
+
+def printed_by_others(run) -> list[dict]:
+    """The lines ranks other than 0 printed because of the script (not the helpers' own
+    per-rank lines such as setup's)."""
+    lines = []
+    for record in run.ranks[1:]:
+        for p in record.get("prints", []) if record else []:
+            if p["line"] is None and not p["by"].startswith("data.py"):
+                continue
+            if PER_RANK_LINES.match(p["text"]) or p["by"].startswith(("distributed_utils.py:setup",
+                                                                       "warnings")):
+                continue
+            lines.append(p)
+    return lines
+
+
+def check_prints_once(ctx, run, todo, print_todo_for_line=False) -> None:
+    rep = ctx.report
+    others = printed_by_others(run)
+    warn = [c["warn"] for r in run.ranks[:1] if r for c in r.get("load_corpus", [])]
+    if any(w == "print0" for w in warn) or any(
+            c["name"] == "print0" for r in run.ranks if r for c in r.get("calls", [])):
+        rep.attempt(todo)
+    if warn and warn[0] == "print":
+        rep.fail(todo, "load_corpus_or_exit(..., warn=print) makes every rank print the data "
+                 "warnings: warn=print0")
+    if others:
+        first = others[0]
+        where = f" (line {first['line']})" if first["line"] else ""
+        owner = ctx.todo_of(first["line"]) if print_todo_for_line else None
+        target = owner if owner in rep.names else todo
+        rep.fail(target, f"rank 1 prints too{where}: '{first['text'][:60]}': print with print0, "
+                 "so only rank 0 prints")
+    elif not (warn and warn[0] == "print"):
+        rep.ok(todo, "rank 0 alone prints")
+
+
+# ----------------------------------------------------------------------- numbers and files
+STEP_LOSS = re.compile(r"\bstep\s*(\d+)\b.*?\bloss\b\s*[:=]?\s*(-?\d+\.\d+)", re.I)
+
+
+def printed_losses(output: str) -> dict[int, float]:
+    """{step: loss} from the script's step lines ("epoch 0 step 3 loss 3.6543 ...")."""
+    found = {}
+    for line in output.splitlines():
+        m = STEP_LOSS.search(line)
+        if m and "validation" not in line and "test" not in line:
+            found[int(m.group(1))] = float(m.group(2))
+    return found
+
+
+def check_losses(ctx, run, ref, todo, what="the logged training losses") -> bool:
+    """The summary's loss of every step, the printed step lines and the logged train/loss all
+    equal the single-process run's losses."""
+    rep = ctx.report
+    mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
+    i = first_difference(mine, theirs)
+    if i is not None:
+        if len(mine) != len(theirs) and (i == len(mine) or i == len(theirs)):
+            rep.fail(todo, f"{len(mine)} training steps logged, the single-process run takes "
+                     f"{len(theirs)}")
+        else:
+            rep.fail(todo, f"{what} differ from the single-process run from step {i + 1} on "
+                     f"({mine[i]:.5f} vs {theirs[i]:.5f})"
+                     + ratio_hint(mine[i], theirs[i]))
+        return False
+    printed = printed_losses(run.outputs[0])
+    wrong = [(s, v) for s, v in printed.items() if 1 <= s <= len(theirs)
+             and not near(v, theirs[s - 1], 1e-3, 1e-3)]
+    if wrong:
+        s, v = wrong[0]
+        rep.fail(todo, f"the step lines print another loss than the one in summary.json "
+                 f"(step {s}: printed {v:.4f}, the mean over ranks is {theirs[s - 1]:.4f})"
+                 + ratio_hint(v, theirs[s - 1]))
+        return False
+    logged = [(e["step"], e["metrics"]["train/loss"]) for e in run.ranks[0].get("logged", [])
+              if "train/loss" in e["metrics"]]
+    wrong = [(s, v) for s, v in logged if 1 <= s <= len(theirs) and not near(v, theirs[s - 1])]
+    if wrong:
+        s, v = wrong[0]
+        rep.fail(todo, f"the logger gets another train/loss than summary.json (step {s}: "
+                 f"{v:.4f} vs {theirs[s - 1]:.4f})")
+        return False
+    rep.ok(todo, f"{what} equal the single-process run ({len(mine)} steps)")
+    return True
+
+
+def ratio_hint(mine: float, theirs: float) -> str:
+    if theirs and near(mine / theirs, 2.0, 0.02):
+        return ": twice the mean, a sum over 2 ranks? (all_reduce_mean, not all_reduce_sum)"
+    if theirs and near(mine, 0.0, 0, 1e-6):
+        return ": 0, taken from a rank that computes no loss?"
+    return ""
+
+
+def check_tokens(ctx, run, todo, tokens_per_step, how) -> None:
+    """Throughput.step gets the tokens of the whole step over all replicas."""
+    counts = set(run.ranks[0].get("tokens", []))
+    if not counts:
+        return
+    if counts == {tokens_per_step}:
+        ctx.report.ok(todo, f"tokens are counted once per step and replica ({tokens_per_step})")
+    else:
+        got = max(counts)
+        factor = f" ({got / tokens_per_step:g} x)" if tokens_per_step else ""
+        ctx.report.fail(todo, f"throughput.step gets {got} tokens per step, the step trains on "
+                        f"{tokens_per_step}{factor}: {how}")
+
+
+def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how="") -> None:
+    rep = ctx.report
+    path = run.out / name
+    if not path.exists():
+        rep.fail(todo, f"{name} was not written{how}")
+        return
+    try:
+        mine = load_weights(path, run.summary["model_config"])
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001 - any failure to load is the participant's news
+        # (DCP's CheckpointException is a BaseException)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        missing = re.search(r"Missing key in checkpoint state_dict: ([\w.]+)", str(e))
+        if missing:
+            first = f"it has no {missing.group(1)} (no stage saved it)"
+        hint = (" (its keys start with 'module.': save the model inside the DDP wrapper, "
+                "save0(model, path) unwraps it)" if "module." in str(e) else "")
+        rep.fail(todo, f"{name} does not load into a plain TransformerLM: {first}{hint}")
+        return
+    theirs = load_weights(ref.out / ref_name, ref.summary["model_config"])
+    if weights_close(mine, theirs):
+        rep.ok(todo, f"{name} loads into a plain model and holds the single-process weights")
+    else:
+        rep.fail(todo, f"{name} loads, but its weights differ from the single-process run")
+
+
+def check_eval_exact(ctx, run, todo, hint):
+    """The probe evaluated the same model on the whole split in one process: compare."""
+    pairs = [(e["value"], e["full"]) for e in run.ranks[0].get("evals", []) if "full" in e]
+    if not pairs:
+        ctx.report.fail(todo, "evaluate() was not called as expected")
+        return False
+    if all(near(v, f, 1e-6, 1e-7) for v, f in pairs):
+        ctx.report.ok(todo, "validation and test losses equal the single-process evaluation "
+                      "exactly")
+        return True
+    v, f = next(p for p in pairs if not near(p[0], p[1], 1e-6, 1e-7))
+    ctx.report.fail(todo, f"evaluate() returned {v:.6f} on rank 0, the whole split gives "
+                    f"{f:.6f}: {hint}")
+    return False
+
+
+def calls(run, name, rank=None):
+    return [c for r, record in enumerate(run.ranks) if record and (rank is None or r == rank)
+            for c in record.get("calls", []) if c["name"] == name]
+
+
+TOKENS_PER_SAMPLE = SEQ_LEN

@@ -1,0 +1,204 @@
+"""Step 1, train/to_distributed_training.py (TODOs 1-11): DDP.
+
+Your script runs as two nodes with one process each (as on a cluster: LOCAL_RANK is 0 on both,
+so a local rank used where the global rank belongs shows), next to the solution in one process
+with the same global batch. Dropout is off: every loss, evaluation and weight must agree.
+"""
+
+from __future__ import annotations
+
+from selfcheck.compare import near
+from selfcheck.runs import ONE, TWO_NODES, Run
+from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
+                                    check_imports, check_losses, check_new_order,
+                                    check_prints_once, check_tokens, check_training_shards,
+                                    check_weights_file, report_crash)
+
+FILE = "train/to_distributed_training.py"
+WHAT = "DDP: samplers, DDP wrapper, reductions, rank 0 output"
+TODOS = {1: "imports", 2: "setup", 3: "samplers", 4: "DataLoaders", 5: "DDP",
+         6: "set_epoch", 7: "loss over ranks", 8: "evaluation over ranks", 9: "print0",
+         10: "save0", 11: "destroy_process_group"}
+BATCH = 4
+# helpers whose TODO is clear wherever a crash or a hang meets them
+CALL_TODO = {"setup": 2, "set_epoch": 6, "save0": 10, "destroy_process_group": 11}
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    ctx.extra["call_todo"] = CALL_TODO
+    ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, BATCH * 2, geometry=ONE,
+              reference=True)
+    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES, eval_probe=True)
+    ref.wait(), run.wait()
+    if ref.crashed:
+        raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
+    records = [r for r in run.ranks if r]
+    if run.crashed:
+        report_crash(ctx, run)
+        rep.note(f"(full output: {run.dir / 'output.txt'})")
+    if not records:
+        return
+    r0 = records[0]
+    check_setup(ctx, run)
+    eval_sharded = False
+    if len(records) == 2 and records[1].get("datasets"):
+        check_training_shards(ctx, run, 3, 4, replicas=2, replica_of=lambda r: r)
+        eval_sharded = check_eval_reads(ctx, run, 3, replicas=2, replica_of=lambda r: r,
+                                        todo_loader=4)
+        check_new_order(ctx, run, 6, 3)
+    check_ddp(ctx, run, ref)
+    if run.crashed:
+        check_imports(ctx, 1, run) if not rep.failed(1) else None
+        return
+    check_imports(ctx, 1, run)
+    if check_losses(ctx, run, ref, 7):
+        check_tokens(ctx, run, 7, BATCH * 2 * SEQ_LEN, "throughput.step(x.numel() * world_size)")
+    elif near(r0["param_sum"], ref.ranks[0]["param_sum"], 1e-5):
+        rep.fail(7, "the weights match the single-process run, so training is right, but the "
+                 "logged loss is rank 0's own: step_loss = all_reduce_mean(loss.detach())")
+    if any(c["func"] == "evaluate" for c in calls(run, "all_reduce_sum") + calls(
+            run, "dist.all_reduce") + calls(run, "all_reduce_mean")):
+        rep.attempt(8)
+    if eval_sharded:
+        check_eval_exact(ctx, run, 8, "add up loss_sum and tokens over the ranks "
+                         "(all_reduce_sum) before dividing")
+    elif not rep.judged(8):  # each rank evaluated everything: nothing to add up yet
+        rep.fail(8, "the ranks do not share the evaluation yet (TODO 3's evaluation samplers): "
+                 "then add up loss_sum and tokens over the ranks before dividing")
+    check_prints_once(ctx, run, 9)
+    check_saves(ctx, run, ref)
+    check_teardown(ctx, run)
+
+
+def check_setup(ctx, run) -> None:
+    rep = ctx.report
+    records = [r for r in run.ranks if r]
+    if any(r.get("setup") for r in records):
+        rep.attempt(2)
+    world = run.summary["world_size"] if run.summary else None
+    # the script's own rank and world_size variables, seen where it built its samplers
+    seen = [(r["rank"], s["locals"]) for r in records for s in r.get("samplers", [])]
+    swapped = [(true, loc) for true, loc in seen if loc.get("rank", true) != true]
+    worlds = {loc["world_size"] for _, loc in seen if "world_size" in loc}
+    if world is not None:
+        worlds.add(world)
+    if not any(r.get("setup") for r in records):
+        if not rep.failed(2):
+            rep.fail(2, "setup() is never called: local_rank, rank, device, world_size = "
+                     "setup(args.seed, args.device)")
+    elif swapped:
+        true, loc = swapped[0]
+        rep.fail(2, f"on rank {true} the variable rank is {loc['rank']}: setup returns "
+                 "local_rank, rank, device, world_size, in that order")
+    elif worlds - {run.geometry.world}:
+        rep.fail(2, f"world_size is {min(worlds - {run.geometry.world})} in a run of "
+                 f"{run.geometry.world} processes: take world_size from setup()")
+    elif any(r.get("setup") and "returned" in r["setup"][-1] for r in records):
+        rep.ok(2, f"{run.geometry.world} ranks joined one process group")
+
+
+def check_ddp(ctx, run, ref) -> None:
+    rep = ctx.report
+    records = [r for r in run.ranks if r]
+    ddp = [d for r in records for d in r.get("ddp", [])]
+    if ddp:
+        rep.attempt(5)
+    if rep.failed(5) or len(records) < 2 or "param_sum" not in records[1]:
+        return
+    same = records[0]["param_sum"] == records[1]["param_sum"]
+    if same and ddp:
+        rep.ok(5, "both ranks end with the same weights")
+    elif same:  # no DDP, yet equal weights: nothing was trained apart (or a crash)
+        if not run.crashed:
+            rep.fail(5, "the model is not wrapped in DDP: model = DDP(model, device_ids="
+                     "[local_rank] if device.type == 'cuda' else None)")
+    elif ddp:
+        rep.fail(5, "DDP is built, but the ranks' weights drift apart: train through the "
+                 "wrapper (model = DDP(model, ...), then model(x) in the loop)")
+    else:
+        rep.fail(5, "the ranks' weights drift apart: wrap the model, model = DDP(model, "
+                 "device_ids=[local_rank] if device.type == 'cuda' else None)")
+
+
+def check_saves(ctx, run, ref) -> None:
+    rep = ctx.report
+    if calls(run, "save0"):
+        rep.attempt(10)
+    others = [s for r in run.ranks[1:] if r for s in r.get("saves", [])]
+    if others:
+        rep.fail(10, f"rank 1 writes {others[0]['path'].rsplit('/', 1)[-1]} too: save with "
+                 "save0(model, path), which writes on rank 0 only (LOCAL_RANK is 0 on every "
+                 "node: it does not pick one process of the job)")
+        return
+    check_weights_file(ctx, run, ref, 10, "final_model.pt")
+    check_weights_file(ctx, run, ref, 10, "best_model.pt", ref_name="best_model.pt")
+
+
+def check_teardown(ctx, run) -> None:
+    rep = ctx.report
+    destroyed = calls(run, "destroy_process_group") or calls(run, "dist.destroy_process_group")
+    if destroyed:
+        rep.attempt(11)
+    if not destroyed and not run.ranks[0]["group_alive"]:
+        rep.fail(11, "destroy_process_group() is never called: call it at the end of main()")
+    elif run.ranks[0]["group_alive"]:
+        rep.fail(11, "the process group is still there at the end: del model, optimizer; then "
+                 "destroy_process_group()")
+    else:
+        rep.ok(11, "the process group is destroyed at the end")
+
+
+
+HINTS = {
+    1: ("Everything the other TODOs use must be imported first: the DDP wrapper, the two "
+        "samplers (one for training, one for evaluation) and the course's helpers for the "
+        "process group, printing, saving and adding up values over ranks.",
+        "DistributedDataParallel (as DDP) comes from torch.nn.parallel, DistributedSampler from "
+        "torch.utils.data.distributed, DistributedEvalSampler from utils.data; setup, print0, "
+        "save0, all_reduce_mean, all_reduce_sum and destroy_process_group from "
+        "utils.distributed_utils."),
+    2: ("torchrun starts one process per GPU and tells each, in environment variables, who it "
+        "is. setup() reads them, joins the process group and picks this process's device; it "
+        "also seeds every rank alike.",
+        "setup(seed, device) returns four values, in this order: local_rank (the GPU on this "
+        "node), rank (the global number), device, world_size. It replaces the three lines that "
+        "make the device by hand, the seed and world_size = 1."),
+    3: ("With several ranks each must train on its own part of every epoch, and the parts must "
+        "add up to the whole data set; evaluation must count every sample exactly once.",
+        "torch's DistributedSampler(dataset, num_replicas, rank, shuffle, seed, drop_last) for "
+        "training (the global rank, shuffle=True); utils.data.DistributedEvalSampler(dataset, "
+        "num_replicas, rank) for validation and test, which pads with samples that count "
+        "nowhere instead of repeating real ones."),
+    4: ("A sampler only works when the DataLoader uses it; and a DataLoader with a sampler must "
+        "not shuffle on its own.",
+        "DataLoader(..., sampler=the_sampler, ...) for all three loaders; remove shuffle=True "
+        "from the training loader (keep drop_last=True)."),
+    5: ("DDP keeps the copies of the model on all ranks identical: it averages their gradients "
+        "during backward(). The training loop must run the wrapped model.",
+        "model = DDP(model, device_ids=...): device_ids is [local_rank] on a GPU and None on the "
+        "CPU. Wrap before the optimizer is made (it then holds the same parameters)."),
+    6: ("DistributedSampler shuffles with a seed plus the epoch number: without the epoch "
+        "number every epoch gets the first epoch's order.",
+        "Call set_epoch(epoch) on the training sampler at the start of every epoch."),
+    7: ("Each rank's loss is the loss of its own part of the batch. The loss of the whole "
+        "(global) batch is the mean over the ranks, and that is what the log should show.",
+        "all_reduce_mean(tensor) from utils.distributed_utils returns the mean over all ranks "
+        "(a copy); give it the detached loss."),
+    8: ("Each rank evaluated only its share of the split. The loss of the whole split is the "
+        "sum of all losses divided by the number of all tokens: add up both over the ranks "
+        "first, then divide (a mean of means would weigh the ranks wrongly).",
+        "all_reduce_sum(tensor) returns the sum over the ranks; apply it to loss_sum and tokens "
+        "before the division."),
+    9: ("Every rank runs the same code, so every print appears once per rank. Print the "
+        "messages once, on rank 0; data warnings too.",
+        "print0(...) from utils.distributed_utils prints on rank 0 only: use it for every print "
+        "of the script and pass it as warn= to load_corpus_or_exit."),
+    10: ("All ranks hold the same weights: one file is enough, written by rank 0 (several ranks "
+         "writing one file would clash). And the file should load into a plain model, without "
+         "the DDP wrapper's 'module.' prefix.",
+         "save0(model, path) writes the unwrapped model's state dict on rank 0 only."),
+    11: ("A process group holds sockets and threads: leave it cleanly at the end, after the "
+         "model that uses it is gone.",
+         "del model, optimizer; then destroy_process_group() from utils.distributed_utils."),
+}

@@ -1,0 +1,333 @@
+"""Step 2, train/fsdp_training.py (TODOs 17-22): FSDP2, sharded checkpoints, resume, export.
+
+Four runs: the solution in one process (the reference); yours as two nodes with one process
+each; yours again, stopped at step 7 (in the middle of the second epoch) with
+--checkpoint-every 3 and --reshard-after-forward false; and yours resumed in ONE process from
+that run's checkpoint (another world size: DCP reshards). The resumed run must end exactly like
+the uninterrupted one: the same losses, weights, optimizer state and number of steps, and it
+must not forget the best validation loss it had (the check sets it in the checkpoint to a
+value no evaluation can beat: a run that forgot it saves a new "best").
+"""
+
+from __future__ import annotations
+
+import json
+
+from selfcheck.compare import (first_difference, first_different_tensor, load_checkpoint_state,
+                               near)
+from selfcheck.runs import ONE, TWO_NODES, Run
+from selfcheck.steps.common import (calls, check_eval_exact, check_imports, check_losses,
+                                    check_weights_file, report_crash)
+
+FILE = "train/fsdp_training.py"
+WHAT = "FSDP2: fully_shard, sharded checkpoints, resume, full export"
+TODOS = {17: "imports", 18: "apply_fsdp", 19: "FSDP instead of DDP, reshard",
+         20: "sharded checkpoints", 21: "resume", 22: "save_full_model"}
+BATCH = 4
+STOP_AT = 7           # steps of the interrupted run: mid second epoch (5 steps per epoch)
+CHECKPOINT_EVERY = 3
+UNBEATABLE = 1e-9     # the best validation loss the check writes into the checkpoint
+OPTIONAL = {"--reshard-after-forward": 1, "--checkpoint-every": 1, "--resume": 1}
+TRAIN_STATE_KEYS = ("step", "epoch", "batches_done", "global_batch", "best_val", "loss_history",
+                    "model_config")
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, BATCH * 2, reference=True)
+    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES, eval_probe=True,
+              extra=["--reshard-after-forward", "true"], optional=OPTIONAL)
+    stop = Run(ctx.work, "stopped", ctx.script, BATCH, geometry=TWO_NODES, optional=OPTIONAL,
+               extra=["--max-steps", str(STOP_AT), "--checkpoint-every", str(CHECKPOINT_EVERY),
+                      "--reshard-after-forward", "false"])
+    run.wait(), stop.wait()
+    resumed = start_resume(ctx, stop)
+    ref.wait()
+    if resumed:
+        resumed.wait()
+    if ref.crashed:
+        raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
+    for r in (run, stop):
+        if r.crashed:
+            report_crash(ctx, r)
+            rep.note(f"(full output of the {r.name} run: {r.dir / 'output.txt'})")
+            break
+    if not run.ranks[0]:
+        return
+    check_sharding(ctx, run, stop, ref)
+    if run.crashed:
+        check_imports(ctx, 17, run)
+        return
+    check_imports(ctx, 17, run)
+    sharded = bool(run.ranks[0].get("fsdp"))
+    if sharded:  # (the DDP script as shipped trains right: nothing to say about it here)
+        check_losses(ctx, run, ref, 18)
+        check_eval_exact(ctx, run, 19, "evaluate like the DDP step (all_reduce_sum of loss_sum "
+                         "and tokens), then model.reshard()")
+    check_checkpoints(ctx, run, stop)
+    check_resume(ctx, stop, resumed, ref)
+    if calls(run, "save_full_model"):
+        rep.attempt(22)
+    if sharded or calls(run, "save_full_model"):
+        check_weights_file(ctx, run, ref, 22, "final_model.pt")
+
+
+def check_sharding(ctx, run, stop, ref) -> None:
+    rep = ctx.report
+    r0 = run.ranks[0]
+    units = r0.get("fsdp")
+    given = [c for c in r0.get("own_calls", {}).get("apply_fsdp", [])]
+    flag = [c["args"][2] if len(c["args"]) > 2 else c["kwargs"].get("reshard_after_forward")
+            for c in given]
+    if any(isinstance(f, dict) for f in flag):
+        rep.fail(19, f"apply_fsdp gets reshard_after_forward={flag[0].get('str', '?')!r}, a "
+                 "string (and the string 'false' counts as true): pass a bool, "
+                 "args.reshard_after_forward == 'true'")
+        rep.attempt(19)
+    if units is not None and r0.get("optimizer_holds_model") is False:
+        rep.fail(19, "the optimizer was made before apply_fsdp: it holds the unsharded "
+                 "parameters, which fully_shard replaced (DCP then fails with KeyError: 0): "
+                 "make the optimizer after sharding")
+        rep.attempt(19)
+    if r0.get("ddp"):
+        rep.fail(19, "the model is still wrapped in DDP: model = apply_fsdp(model, "
+                 "args.precision, args.reshard_after_forward == 'true') instead of DDP(...)")
+    if units is None:
+        if not r0.get("ddp") and not rep.failed(19) and not run.crashed:
+            rep.fail(19, "the model is not sharded (no FSDP unit): model = apply_fsdp(...)")
+        return
+    rep.attempt(18)
+    rep.attempt(19)
+    blocks, root = units["blocks"], units["root"]
+    if all(blocks) and root:
+        rep.ok(18, f"every block ({len(blocks)}) and the root are FSDP units")
+    elif root and not any(blocks):
+        rep.fail(18, "only the root is sharded, one FSDP unit for the whole model: call "
+                 "fully_shard(block, ...) on every block in model.layers.values() before "
+                 "fully_shard(model, ...)")
+    elif not root:
+        rep.fail(18, "the blocks are sharded, but not the root (embeddings, final norm, output "
+                 "layer): fully_shard(model, ...) after the blocks")
+    else:
+        rep.fail(18, f"only some blocks are FSDP units ({blocks}): fully_shard every block")
+    if not units["all_dtensor"]:
+        rep.fail(18, "some parameters are not sharded: " + ", ".join(units["plain"][:4]))
+    parser = r0.get("parser", {})
+    if "--reshard-after-forward" in parser.get("missing", []):
+        rep.fail(18, "there is no --reshard-after-forward option yet: "
+                 "parser.add_argument('--reshard-after-forward', choices=['true', 'false'], "
+                 "default='true')")
+    else:
+        flags = [units.get("reshard_after_forward"),
+                 (stop.ranks[0] or {}).get("fsdp", {}) .get("reshard_after_forward")
+                 if stop.ranks and stop.ranks[0] and stop.ranks[0].get("fsdp") else None]
+        if flags[0] and flags[1] and None not in flags[0] + flags[1]:
+            if not all(flags[0]) or any(flags[1]):
+                rep.fail(18, f"--reshard-after-forward true/false gave the blocks "
+                         f"reshard_after_forward={flags[0][0]}/{flags[1][0]}: pass "
+                         "reshard_after_forward to fully_shard of every block")
+    full = ref.summary["model_state_bytes_per_rank"][0]
+    mine = (run.summary or {}).get("model_state_bytes_per_rank") or []
+    if mine and max(mine) <= 0.6 * full:
+        rep.ok(19, "memory per rank (weights+gradients+optimizer): "
+               f"{' '.join(f'{b / 2**20:.2f}' for b in mine)} MiB, {full / 2**20:.2f} MiB in "
+               "one process")
+    elif mine:
+        rep.fail(19, f"each rank holds {max(mine) / 2**20:.2f} MiB of model state, as much as "
+                 f"one process ({full / 2**20:.2f} MiB): the optimizer must be made after "
+                 "apply_fsdp, from the sharded parameters")
+    elif run.crashed and not r0.get("ddp") and units["all_dtensor"]:
+        rep.ok(19, "apply_fsdp replaced DDP (the memory per rank is not measured: the run "
+               "stopped)")
+    evals = r0.get("evals", [])
+    if evals and not all(e["resharded"] for e in evals):
+        rep.fail(19, "after evaluate() the root's full weights stay gathered on every rank: "
+                 "call model.reshard() at the end of evaluate()")
+
+
+def start_resume(ctx, stop):
+    """Resume the stopped run's last checkpoint in one process, with a best validation loss
+    in it that no evaluation can beat (None if there is no checkpoint to resume)."""
+    if stop.crashed:
+        return None
+    ckpt = stop.out / "checkpoints" / "last"
+    state_file = ckpt / "train_state.json"
+    if not (ckpt / ".metadata").is_file():
+        return None
+    if state_file.is_file():
+        try:
+            state = json.loads(state_file.read_text())
+            state["best_val"] = UNBEATABLE
+            state_file.write_text(json.dumps(state, indent=1) + "\n")
+        except ValueError:
+            pass
+    return Run(ctx.work, "resumed", ctx.script, BATCH * 2, geometry=ONE, optional=OPTIONAL,
+               extra=["--resume", str(ckpt)])
+
+
+def check_checkpoints(ctx, run, stop) -> None:
+    rep = ctx.report
+    if calls(run, "save_sharded_model") or calls(run, "dcp.save"):
+        rep.attempt(20)
+    folder = run.out / "checkpoints"
+    last = folder / "last"
+    if not (last / ".metadata").is_file():
+        saved0 = [s for s in calls(run, "save_sharded_model", rank=0)]
+        saved1 = [s for s in calls(run, "save_sharded_model", rank=1)]
+        if saved0 and not saved1:
+            rep.fail(20, "only rank 0 calls save_sharded_model: every rank writes its own "
+                     "shards, call it on every rank")
+        else:
+            rep.fail(20, "no checkpoints/last folder with DCP's .metadata: "
+                     "save_sharded_model(model, optimizer, out_dir / 'checkpoints' / name, "
+                     "train_state) at the end of every epoch")
+        return
+    try:
+        state = json.loads((last / "train_state.json").read_text())
+    except (OSError, ValueError):
+        state = None
+    if state is None:
+        rep.fail(20, "checkpoints/last has no readable train_state.json: save with "
+                 "save_sharded_model(model, optimizer, folder, train_state)")
+        return
+    missing = [k for k in TRAIN_STATE_KEYS if k not in state]
+    if missing:
+        rep.fail(20, f"train_state lacks {', '.join(missing)}: resuming needs them")
+    elif state["step"] != run.summary["steps"] or len(state["loss_history"]) != state["step"]:
+        rep.fail(20, f"the last checkpoint says step {state['step']} with "
+                 f"{len(state['loss_history'])} losses; the run ended at step "
+                 f"{run.summary['steps']}")
+    elif not (folder / "best" / ".metadata").is_file():
+        rep.fail(20, "no checkpoints/best: save_checkpoint('best', ...) where the validation "
+                 "loss improves (save0 refuses sharded weights)")
+    else:
+        rep.ok(20, "checkpoints/last and best are Distributed Checkpoint folders with their "
+               "train_state")
+    if stop.crashed or not stop.ranks[0]:
+        return
+    parser = stop.ranks[0].get("parser", {})
+    if "--checkpoint-every" in parser.get("missing", []):
+        rep.fail(20, "there is no --checkpoint-every option yet (see TODO 20)")
+        return
+    steps = sorted({c["step"] for c in calls(stop, "save_sharded_model", rank=0)})
+    wanted = set(range(CHECKPOINT_EVERY, STOP_AT + 1, CHECKPOINT_EVERY))
+    if not wanted <= set(steps):
+        rep.fail(20, f"with --checkpoint-every {CHECKPOINT_EVERY} checkpoints were saved after "
+                 f"steps {steps}, expected also after {sorted(wanted - set(steps))}: "
+                 "if args.checkpoint_every and step % args.checkpoint_every == 0: "
+                 "save_checkpoint('last', ...) in the training loop")
+
+
+def check_resume(ctx, stop, resumed, ref) -> None:
+    rep = ctx.report
+    if stop.crashed:
+        return
+    if resumed is None:
+        rep.fail(21, "needs the checkpoints of TODO 20 first") if not rep.failed(20) else None
+        return
+    r = resumed.ranks[0] or {}
+    parser = r.get("parser", {})
+    if "--resume" in parser.get("missing", []):
+        rep.fail(21, "there is no --resume option yet (see TODO 21)")
+        return
+    if r.get("loads") or calls(resumed, "load_sharded_model") or calls(resumed, "dcp.load"):
+        rep.attempt(21)
+    if resumed.crashed:
+        report_crash(ctx, resumed, default_todo=21)
+        rep.note(f"(full output of the resumed run: {resumed.dir / 'output.txt'})")
+        return
+    if not (r.get("loads") or calls(resumed, "load_sharded_model")):
+        rep.fail(21, "--resume DIR does not load the checkpoint: train_state = "
+                 "load_sharded_model(model, optimizer, folder, cfg.to_dict()) on every rank")
+        return
+    mine, theirs = resumed.summary, ref.summary
+    history, ref_history = mine["loss_history"], theirs["loss_history"]
+    if mine["steps"] != theirs["steps"]:
+        loaded = (r.get("loads") or [{}])[0]
+        extra = mine["steps"] - theirs["steps"]
+        why = ("it trains the batches of the epoch that the checkpoint had trained already "
+               "again: skip them (start_batch from resume_position, itertools.islice)"
+               if extra > 0 and extra == loaded.get("batches_done") else
+               "continue from the checkpoint's step and epoch: step, start_epoch, start_batch "
+               "= resume_position(...)")
+        rep.fail(21, f"the resumed run ends at step {mine['steps']}, the uninterrupted one at "
+                 f"{theirs['steps']}: {why}")
+        return
+    if len(history) != mine["steps"]:
+        rep.fail(21, f"the resumed run's summary has {len(history)} losses for {mine['steps']} "
+                 "steps: restore loss_history from train_state (as tensors)")
+        return
+    i = first_difference(history, ref_history)
+    if i is not None:
+        if i < STOP_AT:
+            why = "the restored losses differ from the run that saved them"
+        elif i == STOP_AT and near(history[i], ref_history[0], 0.05):
+            why = ("the first step after resuming has the loss of an untrained model: load the "
+                   "weights (load_sharded_model after wrapping the model)")
+        elif i == STOP_AT:
+            why = ("the first step after resuming trains on another batch than the "
+                   "uninterrupted run: skip the batches the checkpoint had trained on "
+                   "(start_batch from resume_position, itertools.islice)")
+        else:
+            why = ("the first step after resuming is right, the next ones are not: the "
+                   "optimizer's state (AdamW's moments) was not restored: load_sharded_model("
+                   "model, optimizer, ...)")
+        rep.fail(21, f"resumed at step {STOP_AT}, the losses differ from the uninterrupted run "
+                 f"from step {i + 1} on ({history[i]:.5f} vs {ref_history[i]:.5f}): {why}")
+        return
+    ref_last, my_last = ref.out / "checkpoints" / "last", resumed.out / "checkpoints" / "last"
+    if (my_last / ".metadata").is_file():
+        try:
+            key = first_different_tensor(load_checkpoint_state(my_last, mine["model_config"]),
+                                         load_checkpoint_state(ref_last, theirs["model_config"]))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: BLE001 - an unreadable checkpoint is the news
+            key = f"(unreadable: {(str(e).splitlines() or [type(e).__name__])[0][:100]})"
+        if key:
+            rep.fail(21, f"after resuming, the final checkpoint differs from the uninterrupted "
+                     f"run's in {key}")
+            return
+    best = resumed.out / "checkpoints" / "best"
+    if best.exists():
+        rep.fail(21, "the resumed run saved a new 'best' checkpoint although the checkpoint's "
+                 "best validation loss was better: restore best_val from train_state")
+        return
+    rep.ok(21, f"one process resumes the 2-rank checkpoint of step {STOP_AT} and ends exactly "
+           "like the uninterrupted run (losses, weights, optimizer state, best)")
+
+
+HINTS = {
+    17: ("FSDP2 replaces DDP, and sharded checkpoints replace save0: import the new pieces.",
+         "fully_shard and MixedPrecisionPolicy from torch.distributed.fsdp; save_sharded_model, "
+         "load_sharded_model and save_full_model from utils.distributed_utils; "
+         "resume_checkpoint and resume_position from utils.checkpointing."),
+    18: ("Each call of fully_shard makes one FSDP unit: its parameters are split over the ranks "
+         "and gathered only while the unit computes. One unit per Transformer block, then one "
+         "for the rest (the root), so only one block is whole at a time.",
+         "def apply_fsdp(model, precision, reshard_after_forward): fully_shard(block, "
+         "reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(...)) for every block of "
+         "model.layers.values(), then fully_shard(model, ...); and a "
+         "--reshard-after-forward {true,false} option."),
+    19: ("The model is sharded instead of replicated, and the optimizer must be made from the "
+         "sharded parameters. Evaluation gathers the root's weights and has no backward to "
+         "free them again.",
+         "model = apply_fsdp(model, args.precision, args.reshard_after_forward == 'true') in "
+         "place of the DDP line (the optimizer comes after it); model.reshard() at the end of "
+         "evaluate()."),
+    20: ("No rank holds the whole model any more: every rank writes its own shards into one "
+         "checkpoint folder, together with what a resumed run needs to continue.",
+         "save_sharded_model(model, optimizer, folder, train_state) on every rank; train_state "
+         "holds step, epoch, batches_done, global_batch, best_val, loss_history (floats) and "
+         "cfg.to_dict(). Save 'last' at each epoch end and every --checkpoint-every steps, "
+         "'best' when validation improves."),
+    21: ("A resumed run must continue exactly where the saved one stopped: the same weights, "
+         "optimizer state, step, position in the data, best validation loss and loss history.",
+         "resume_checkpoint(args.resume, out_dir / 'checkpoints') gives the folder (or None); "
+         "load_sharded_model(model, optimizer, folder, cfg.to_dict()) on every rank after the "
+         "optimizer exists; resume_position(train_state, global_batch, len(train_loader), "
+         "args.max_steps) gives step, start_epoch, start_batch."),
+    22: ("An ordinary weights file, for inference or sharing, needs the full weights: gather "
+         "them (a collective: every rank takes part) and let rank 0 write them.",
+         "save_full_model(model, path) on every rank."),
+}

@@ -1,0 +1,319 @@
+"""The performance step, train/perf_training.py (TODOs 41-47): measure, profile, then fix.
+
+Four runs of your script: two ranks with --profile (fp32, next to the solution in one process),
+one process in bf16 with --compile (compiling is recorded, not done: it takes minutes on a CPU),
+and one process with --profile --max-steps 1 (too short to profile: it must say so and train).
+Every run divides by a peak of 2.5 TFLOP/s per device (PEAK_FLOPS), so the check can recompute
+every tokens/s and MFU your step lines print: MFU = tokens/s x FLOPs per token / (peak x devices).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+
+from selfcheck.compare import lists_close, near
+from selfcheck.runs import ONE_NODE_TWO, PEAK_FLOPS, SEQ_LEN, Run
+from selfcheck.steps.common import check_imports, report_crash
+
+FILE = "train/perf_training.py"
+WHAT = "one GPU fast: tokens/s and MFU, profiler, bf16, fused AdamW, compile"
+TODOS = {41: "imports", 42: "tokens/s and MFU", 43: "profiler", 44: "named ranges",
+         45: "precision", 46: "fused AdamW", 47: "compile"}
+BATCH = 4
+OPTIONAL = {"--profile": 0}
+RATE = re.compile(r"([\d.,]+(?:e[+-]?\d+)?)\s*(k|K|M)?\s*(?:tokens|tok)\s*/\s*s", re.I)
+MFU = re.compile(r"MFU\W{0,3}([\d.]+(?:e[+-]?\d+)?)\s*%|([\d.]+)\s*%\s*MFU", re.I)
+STEP = re.compile(r"\bstep\s*(\d+)\b", re.I)
+FLOPS = re.compile(r"([\d.]+(?:e[+-]?\d+)?)\s*([kMGTP]?)FLOP/?s", re.I)
+PHASES = {"forward": ("forward", "fwd"), "backward": ("backward", "bwd"),
+          "optimizer": ("optim",), "communication": ("comm", "all_reduce", "allreduce",
+                                                      "reduce")}
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, BATCH * 2, reference=True)
+    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=ONE_NODE_TWO, extra=["--profile"],
+              optional=OPTIONAL)
+    fast = Run(ctx.work, "bf16", ctx.script, BATCH * 2,
+               extra=["--precision", "bf16", "--compile", "--max-steps", "6"])
+    short = Run(ctx.work, "one step", ctx.script, BATCH * 2, optional=OPTIONAL,
+                extra=["--profile", "--max-steps", "1"])
+    for r in (ref, run, fast, short):
+        r.wait()
+    if ref.crashed:
+        raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
+    for r in (run, fast):
+        if r.crashed:
+            report_crash(ctx, r)
+            rep.note(f"(full output of the {r.name} run: {r.dir / 'output.txt'})")
+            return
+    check_imports(ctx, 41, run)
+    check_reports(ctx, run)
+    profiling = "--profile" not in run.ranks[0].get("parser", {}).get("missing", [])
+    names = check_profiler(ctx, run, short, profiling)
+    check_ranges(ctx, names, profiling)
+    check_precision(ctx, run, fast, ref)
+    check_fused_and_compile(ctx, run, fast)
+
+
+def number(text: str, unit: str = "") -> float:
+    value = float(text.replace(",", ""))
+    return value * {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}[unit]
+
+
+def step_reports(output: str) -> list[tuple[int, float, float]]:
+    """(step, tokens/s, MFU in %) of every line that reports both."""
+    found = []
+    for line in output.splitlines():
+        rate, mfu, step = RATE.search(line), MFU.search(line), STEP.search(line)
+        if rate and mfu and step:
+            found.append((int(step.group(1)), number(rate.group(1), rate.group(2) or ""),
+                          float(mfu.group(1) or mfu.group(2))))
+    return found
+
+
+def check_reports(ctx, run) -> None:
+    """TODO 42: a tokens/s and MFU report per logged step, each one right."""
+    rep = ctx.report
+    r0 = run.ranks[0]
+    output = run.outputs[0]
+    reports = step_reports(output)
+    peak_said = any(near(number(m.group(1), m.group(2)), PEAK_FLOPS, 0.02)
+                    for m in FLOPS.finditer(output))
+    called_peak = any(c["name"] == "peak_flops" and c["direct"] for c in r0.get("calls", []))
+    if reports or peak_said or called_peak:
+        rep.attempt(42)
+    steps = run.summary["steps"]
+    world = run.geometry.world
+    flops = run.summary["flops_per_token"]
+    if not reports:
+        rep.fail(42, "no step line reports tokens/s and MFU: measure each interval "
+                 "(synchronize(device), then rate = interval_tokens / elapsed) and print "
+                 "'... <rate> tokens/s MFU <x>%' with the loss")
+        return
+    if not peak_said:
+        rep.fail(42, "nothing printed says what MFU divides by: print the peak of one device "
+                 "that peak_flops(device, args.precision) returns, and where it comes from")
+    if len({s for s, _, _ in reports}) < steps:
+        rep.fail(42, f"{len(reports)} step lines report tokens/s and MFU, the run logged "
+                 f"{steps} steps (--log-every 1): report at every log step")
+        return
+    bad = [(s, t, m) for s, t, m in reports if not (t > 0 and 0 < m <= 100)]
+    if bad:
+        s, t, m = bad[0]
+        rep.fail(42, f"step {s} reports {t:g} tokens/s and MFU {m}%: MFU is rate * "
+                 "flops_per_tok / (peak * world_size), between 0 and 100 %")
+        return
+    ratios = [m / 100 / (t * flops / (PEAK_FLOPS * world)) for _, t, m in reports if t > 0]
+    ratio = statistics.median(ratios)
+    if not near(ratio, 1.0, 0.05, 0.0) and not all(
+            abs(m / 100 - t * flops / (PEAK_FLOPS * world)) < 0.0006 for _, t, m in reports):
+        how = (f"MFU comes out {ratio:.2g} x the formula's" +
+               (f": divide by the peak of all {world} devices, peak * world_size" if near(
+                   ratio, world, 0.05) else ""))
+        rep.fail(42, f"{how} (MFU = tokens/s x {flops:.3g} FLOPs per token / ({PEAK_FLOPS:.3g} "
+                 f"FLOP/s x {world} devices))")
+        return
+    # tokens/s against the clock: the time between two step lines, the tokens of its steps
+    prints = [p for p in r0.get("prints", []) if STEP.search(p["text"]) and RATE.search(p["text"])]
+    tokens_per_step = BATCH * world * SEQ_LEN
+    per_epoch = steps // 2
+    seen = []
+    for a, b in zip(prints, prints[1:], strict=False):
+        sa, sb = int(STEP.search(a["text"]).group(1)), int(STEP.search(b["text"]).group(1))
+        if sb <= sa or (sa - 1) // per_epoch != (sb - 1) // per_epoch:
+            continue  # across an evaluation: not training time
+        rate = number(*RATE.search(b["text"]).groups(default=""))
+        seen.append(rate * (b["t"] - a["t"]) / ((sb - sa) * tokens_per_step))
+    if len(seen) >= 3:
+        factor = statistics.median(seen)
+        if not 0.6 <= factor <= 1.6:
+            rep.fail(42, f"the tokens/s printed are {factor:.2g} x the tokens trained per second "
+                     f"({tokens_per_step} tokens per step on {world} ranks): count the tokens of "
+                     "all ranks, interval_tokens += x.numel() * world_size")
+            return
+    if r0.get("synchronize", 0) < len(reports):
+        rep.fail(42, "synchronize(device) before reading the clock for each report: a GPU runs "
+                 "behind Python, and the time would be only how long queuing the work took")
+        return
+    if not rep.failed(42):
+        rep.ok(42, f"{len(reports)} step lines report tokens/s and MFU per device, both right, "
+               "against the peak it prints")
+
+
+def trace_events(path):
+    try:
+        return json.loads(path.read_text()).get("traceEvents", [])
+    except (OSError, ValueError):
+        return []
+
+
+def check_profiler(ctx, run, short, profiling) -> set:
+    """TODO 43: a trace per rank of the window's steps, the operator table, short runs.
+    Returns the names of the user ranges in rank 0's trace."""
+    rep = ctx.report
+    if not profiling:
+        rep.fail(43, "there is no --profile option yet (see TODO 43)")
+        return set()
+    rep.attempt(43)
+    traces = [sorted((run.out / "profile").glob(f"rank{r}.*.pt.trace.json"))
+              for r in range(run.geometry.world)]
+    if not (run.out / "profile").is_dir() or not any(traces):
+        rep.fail(43, "--profile wrote no trace into OUT_DIR/profile: profiler = "
+                 "make_profiler(out_dir, rank, device, steps_available), profiler.step() after "
+                 "each step, profiler.stop() at the end")
+        return set()
+    missing = [r for r, t in enumerate(traces) if not t]
+    if missing:
+        rep.fail(43, f"--profile wrote no trace for rank(s) {missing}: every rank profiles "
+                 "(worker_name=f'rank{rank}')")
+        return set()
+    events = trace_events(traces[0][-1])
+    # the script's own ranges, not the ones torch adds by itself (DistributedDataParallel.forward,
+    # Optimizer.step#AdamW.step, ProfilerStep#3, enumerate(DataLoader)#..., gloo:all_reduce)
+    names = {n for e in events if e.get("cat") == "user_annotation"
+             for n in [e.get("name", "")] if n and not any(c in n for c in ".#:(")}
+    steps = sorted(int(n.split("#")[1]) for n in {e.get("name", "") for e in events}
+                   if n.startswith("ProfilerStep#"))
+    tables = run.ranks[0].get("tables", [])
+    printed = any(t["first_line"] and t["first_line"] in run.outputs[0] for t in tables)
+    if steps != [3, 4, 5]:
+        rep.fail(43, f"the trace holds steps {steps or 'none'}, the window is 3 to 5 (skip 1, "
+                 "warm up 2, record 3): call profiler.step() once after every training step")
+    elif not printed:
+        rep.fail(43, "after profiler.stop(), print0 the operator table: "
+                 "profiler.key_averages().table(sort_by=..., row_limit=12)")
+    else:
+        rep.ok(43, "each rank writes a trace of steps 3-5, and the operator table is printed")
+    if short.crashed:
+        f = short.failure
+        rep.fail(43, f"with --profile --max-steps 1 the run stops{f.where() if f else ''} with: "
+                 f"{f.message if f else '?'}: a run too short to profile must say so and train "
+                 "(profiler_window returns None)")
+        return names
+    written = list((short.out / "profile").glob("*.pt.trace.json")) if (
+        short.out / "profile").is_dir() else []
+    started = short.ranks[0].get("profilers_started", 0)
+    said = any("profil" in p["text"].lower() for p in short.ranks[0].get("prints", []))
+    recorded = [n for f in written for e in trace_events(f)
+                for n in [e.get("name", "")] if n.startswith("ProfilerStep#")]
+    if started and not recorded:
+        rep.fail(43, "with --profile --max-steps 1 a profiler starts, but its window cannot fit "
+                 "into one step and no trace is written: profiler_window returns None for such "
+                 "a run, and make_profiler says it is too short to profile")
+    elif not written and not said:
+        rep.fail(43, "with --profile and one step nothing is profiled and nothing says so: "
+                 "print that the run is too short to profile")
+    return names
+
+
+def check_ranges(ctx, names: set, profiling: bool) -> None:
+    rep = ctx.report
+    if not names:
+        if profiling and not rep.failed(43):
+            rep.fail(44, "the trace has no named range: with annotate(name, device): around the "
+                     "forward pass and loss, backward, the optimizer step and the all-reduce of "
+                     "the loss")
+        return
+    rep.attempt(44)
+    lower = [n.lower() for n in names]
+    missing = [phase for phase, words in PHASES.items()
+               if not any(any(w in n for w in words) for n in lower)]
+    if missing:
+        rep.fail(44, f"the trace has ranges {sorted(names)}, none for {', '.join(missing)}: "
+                 "with annotate(name, device): around each phase")
+    else:
+        found = [n for n in sorted(names) if any(any(w in n.lower() for w in words)
+                                                 for words in PHASES.values())]
+        rep.ok(44, f"the trace names the phases ({', '.join(found[:6])})")
+
+
+def check_precision(ctx, run, fast, ref) -> None:
+    rep = ctx.report
+    if not lists_close(run.summary["loss_history"], ref.summary["loss_history"], rel=1e-5):
+        rep.fail(45, "with --precision fp32 the losses differ from the reference run: compute in "
+                 "bf16 only under autocast(args.precision, device), which does nothing in fp32")
+        return
+    s, r = fast.summary, fast.ranks[0]
+    if s.get("precision") == "bf16":
+        rep.attempt(45)
+    mine, theirs = s["loss_history"], ref.summary["loss_history"][:len(s["loss_history"])]
+    dtypes, autocast = set(r.get("param_dtypes", [])), r.get("autocast_forward", [])
+    if s.get("precision") != "bf16":
+        rep.fail(45, f"--precision bf16 ran in {s.get('precision')}: "
+                 "args.precision = set_precision(args.precision, device)")
+    elif dtypes - {"float32"}:
+        rep.fail(45, f"the weights are {', '.join(sorted(dtypes))}: keep them float32 (the "
+                 "optimizer needs the precision) and run the forward pass under "
+                 "autocast(args.precision, device), not model.to(torch.bfloat16)")
+    elif not any(autocast) or "bfloat16" not in r.get("forward_dtypes", []):
+        rep.fail(45, "the bf16 run computes in fp32: run the forward pass and the loss under "
+                 "autocast(args.precision, device)")
+    elif len(mine) != len(theirs) or max(abs(a - b) for a, b in zip(mine, theirs, strict=True)) > 0.02:
+        rep.fail(45, "the bf16 losses stray more than 0.02 from fp32's: autocast around the "
+                 "forward pass and the loss only, the backward and optimizer outside it")
+    else:
+        gap = max(abs(a - b) for a, b in zip(mine, theirs, strict=True))
+        rep.ok(45, f"bf16 runs under autocast with fp32 weights and trains like fp32 (losses "
+               f"within {gap:.4f})")
+
+
+def check_fused_and_compile(ctx, run, fast) -> None:
+    rep = ctx.report
+    adamw = fast.ranks[0].get("adamw", [])
+    if any("fused" in kwargs for kwargs in adamw):
+        rep.ok(46, "AdamW is asked for fused (on a GPU: fused=device.type == 'cuda')")
+    else:
+        rep.fail(46, "torch.optim.AdamW(..., fused=device.type == 'cuda'): one kernel for all "
+                 "parameters on a GPU")
+    compiled, unasked = fast.ranks[0].get("compiled", []), run.ranks[0].get("compiled", [])
+    if compiled or unasked:
+        rep.attempt(47)
+    if unasked:
+        rep.fail(47, f"{', '.join(unasked)} compiled without --compile: only `if args.compile:`")
+    elif "DistributedDataParallel" in compiled:
+        rep.fail(47, "--compile compiles the DDP wrapper: compile the blocks before wrapping, "
+                 "if args.compile: compile_blocks(model), then DDP(model, ...)")
+    elif "Block" in compiled or "TransformerLM" in compiled:
+        rep.ok(47, "--compile compiles the Transformer blocks (recorded, not run, here)")
+    else:
+        rep.fail(47, "--compile compiled nothing: if args.compile: compile_blocks(model), "
+                 "before the model is wrapped in DDP")
+
+
+
+HINTS = {
+    41: ("Measuring, profiling and the fixes each need something new.",
+         "synchronize and peak_flops from utils.metrics; torch.profiler (profile, schedule, "
+         "record_function, ProfilerActivity, tensorboard_trace_handler); contextlib; autocast "
+         "and compile_blocks from utils.precision."),
+    42: ("tokens/s of each interval between reports, and MFU: the FLOPs those tokens cost over "
+         "what all devices could do. A GPU runs behind Python: wait for it before reading the "
+         "clock. Say what MFU divides by.",
+         "peak, source = peak_flops(device, args.precision) (printed once); count "
+         "x.numel() * world_size per step; synchronize(device) before time.perf_counter(); "
+         "MFU = rate * flops_per_tok / (peak * world_size)."),
+    43: ("A profiler records a few steps after a warm-up and writes one trace per rank; a run "
+         "too short for that window says so. Print the most expensive operators.",
+         "profiler_window / make_profiler with torch.profiler.profile(schedule=schedule(wait, "
+         "warmup, active), on_trace_ready=tensorboard_trace_handler(...)); profiler.step() "
+         "after each step; profiler.stop() and key_averages().table(sort_by=...)."),
+    44: ("Named ranges make the phases of a step visible in the trace (record_function) and, on "
+         "a GPU, in Nsight Systems (NVTX).",
+         "annotate(name, device): a contextlib.ExitStack with record_function(name), plus "
+         "torch.cuda.nvtx.range(name) on CUDA; around forward+loss, backward, the optimizer "
+         "step and the loss all-reduce."),
+    45: ("Honour --precision: bf16 runs the matmuls in bfloat16 under autocast while the "
+         "weights stay float32 (the optimizer needs their precision).",
+         "args.precision = set_precision(args.precision, device); with autocast(args.precision, "
+         "device): around the forward pass and the loss only."),
+    46: ("The default AdamW launches several kernels per parameter; the fused one updates all "
+         "parameters in one.",
+         "torch.optim.AdamW(..., fused=device.type == 'cuda')."),
+    47: ("torch.compile fuses a block's operations into fewer kernels; only when asked for, and "
+         "before DDP wraps the model.",
+         "if args.compile: compile_blocks(model)."),
+}

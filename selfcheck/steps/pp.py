@@ -1,0 +1,251 @@
+"""Step 4, train/pp_training.py (TODOs 34-40): pipeline parallelism, one stage per rank.
+
+Your script runs as two nodes with one process each (stage index = global rank, so a local
+rank in its place shows), with 2 microbatches, next to the DDP solution in one process with the
+same batch. The check looks at what every stage holds, how each calls the schedule, where the
+logged loss comes from, and the checkpoints and evaluation.
+"""
+
+from __future__ import annotations
+
+from selfcheck.compare import near
+from selfcheck.runs import TWO_NODES, Run
+from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_reads, check_losses,
+                                    check_tokens, check_training_shards, check_weights_file,
+                                    report_crash, sampler_records)
+
+FILE = "train/pp_training.py"
+WHAT = "pipeline parallelism: stages, schedules, DCP"
+TODOS = {34: "split_pipeline_stage", 35: "samplers: one replica", 36: "stage and schedules",
+         37: "schedule.step", 38: "loss from the last stage", 39: "DCP save",
+         40: "evaluation through the pipeline"}
+BATCH = 4
+SHORT = ["--max-steps", "8"]  # microbatches add up in another order; Adam amplifies it
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    ref = Run(ctx.work, "reference", ctx.root / "solutions/train/to_distributed_training.py",
+              BATCH, extra=SHORT, reference=True)
+    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES,
+              extra=["--microbatches", "2", "--schedule", "1f1b", *SHORT])
+    ref.wait(), run.wait()
+    if ref.crashed:
+        raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
+    records = [r for r in run.ranks if r]
+    if len(records) < 2:
+        report_crash(ctx, run)
+        rep.note(f"(full output: {run.dir / 'output.txt'})")
+        return
+    n_layers = ref.summary["model_config"]["n_layers"]
+    split = check_split(ctx, run, n_layers)
+    staged = check_stages(ctx, run)
+    if any(s["given"].get("num_replicas") == 1 for r in records
+           for s in sampler_records(r, "DistributedSampler")):
+        rep.attempt(35)
+    if records[0].get("datasets") and records[1].get("datasets") and (split or staged or
+                                                                        ctx.status.get(35) == "edited"):
+        check_training_shards(ctx, run, 35, 35, replicas=1, replica_of=lambda r: 0,
+                              made_is_attempt=False)
+        check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
+                         made_is_attempt=False)
+    if staged:
+        check_schedule_calls(ctx, run)
+    if run.crashed:
+        report_crash(ctx, run)
+        rep.note(f"(full output: {run.dir / 'output.txt'})")
+        return
+    if not staged:
+        return
+    s = run.summary
+    if check_losses(ctx, run, ref, 38):
+        rep.ok(37, "schedule.step trains like one process")
+    elif not rep.failed(37):
+        rep.fail(37, "the training differs from one process: the first stage passes x, the last "
+                 "target=y and losses=losses; the optimizer steps after schedule.step")
+    check_tokens(ctx, run, 38, BATCH * SEQ_LEN, "one pipeline trains on one batch per step: "
+                 "throughput.step(x.numel())")
+    evals = [c for r in records for c in r.get("schedule_calls", []) if c["kind"] == "eval"]
+    if evals:
+        rep.attempt(40)
+    if near(s["val_loss"], ref.summary["val_loss"]) and near(s["test_loss"],
+                                                             ref.summary["test_loss"]):
+        rep.ok(40, "validation and test losses equal the single-process run")
+    else:
+        hint = ("evaluate(model, loader, device, stage, eval_schedule): schedule.eval through the "
+                "pipeline, pad the last batch, broadcast loss_sum from the last stage")
+        if evals and near(s["val_loss"], 0.0, 0, 1e-6):
+            hint = "the loss sum exists on the last stage only: broadcast it from there"
+        rep.fail(40, f"validation loss {s['val_loss']:.5f}, single process "
+                 f"{ref.summary['val_loss']:.5f}: {hint}")
+    if calls(run, "dcp.save"):
+        rep.attempt(39)
+    if (run.out / "final_model" / ".metadata").is_file():
+        check_weights_file(ctx, run, ref, 39, "final_model")
+        if (run.out / "best_model" / ".metadata").is_file():
+            check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
+        else:
+            rep.fail(39, "no best_model folder: dcp.save(model.state_dict(), "
+                     "checkpoint_id=out_dir / 'best_model') where validation improves")
+    else:
+        saved_by = sorted({r for r, record in enumerate(run.ranks) if record and any(
+            c["name"] == "dcp.save" for c in record.get("calls", []))})
+        why = (f" (only rank(s) {saved_by} called dcp.save: every stage saves its own part)"
+               if saved_by and len(saved_by) < run.geometry.world else "")
+        rep.fail(39, "no final_model folder with DCP's .metadata: dcp.save(model.state_dict(), "
+                 f"checkpoint_id=out_dir / 'final_model') on every rank{why}")
+
+
+def check_split(ctx, run, n_layers) -> bool:
+    """What every stage holds. True when the model was split at all."""
+    rep = ctx.report
+    records = run.ranks
+    if any("layers" not in r for r in records):
+        return False
+    layers = [r["layers"] for r in records]
+    if all(l == list(range(n_layers)) for l in layers) and all(
+            all(r["parts"].values()) for r in records):
+        return False  # not split (yet)
+    rep.attempt(34)
+    world = len(records)
+    want_layers = [list(range(i * n_layers // world, (i + 1) * n_layers // world))
+                   for i in range(world)]
+    problems = []
+    for rank, r in enumerate(records):
+        parts = r["parts"]
+        first, last = rank == 0, rank == world - 1
+        if r["layers"] != want_layers[rank]:
+            problems.append(f"stage {rank} holds blocks {r['layers']}, expected "
+                            f"{want_layers[rank]}")
+        for name in ("tok_emb", "pos_emb"):
+            if parts[name] != first:
+                problems.append(f"stage {rank} {'lacks' if first else 'keeps'} {name} (only the "
+                                "first stage embeds)")
+        for name in ("norm", "output"):
+            if parts[name] != last:
+                problems.append(f"stage {rank} {'lacks' if last else 'keeps'} {name} (only the "
+                                "last stage has the final norm and output layer)")
+    stage_of = [st["stage_index"] for r in records for st in r.get("stages", [])]
+    if len(stage_of) == world and stage_of != list(range(world)):
+        return True  # the stage index is wrong (TODO 36): the split follows from it
+    if problems:
+        rep.fail(34, "; ".join(problems[:2]))
+    else:
+        rep.ok(34, "rank 0 holds the embeddings and the first half of the blocks, rank 1 the "
+               "rest, the final norm and the output layer")
+    return True
+
+
+def check_stages(ctx, run) -> bool:
+    rep = ctx.report
+    records = run.ranks
+    stages = [r.get("stages", []) for r in records]
+    schedules = [r.get("schedules", []) for r in records]
+    if not any(stages):
+        if records[0].get("ddp") and ctx.status.get(36) == "edited":
+            rep.fail(36, "DDP still wraps the model: a pipeline stage replaces it")
+        return False
+    rep.attempt(36)
+    problems = []
+    stage_of = [s["stage_index"] for st in stages for s in st]
+    if len(stage_of) == len(records) and stage_of != list(range(len(records))):
+        problems.append(f"the ranks built stages {stage_of}: PipelineStage(model, stage_index, "
+                        "num_stages, device) with stage_index = the global rank (LOCAL_RANK is "
+                        "0 on every node)")
+    for rank, (st, sc) in enumerate(zip(stages, schedules, strict=True)):
+        if problems:
+            break
+        if len(st) != 1 or st[0]["num_stages"] != len(records):
+            problems.append(f"rank {rank} built {len(st)} PipelineStage(s) "
+                            f"({[s['num_stages'] for s in st]} stages): one per rank, "
+                            "PipelineStage(model, stage_index, num_stages, device)")
+            break
+        kinds = {s["kind"]: s for s in sc}
+        if "Schedule1F1B" not in kinds:
+            problems.append(f"--schedule 1f1b built {sorted(kinds) or 'no schedule'}: "
+                            "build_schedule(args.schedule, stage, args.microbatches, lm_loss)")
+            break
+        if kinds["Schedule1F1B"]["microbatches"] != 2:
+            problems.append(f"--microbatches 2 built a schedule of "
+                            f"{kinds['Schedule1F1B']['microbatches']}")
+            break
+        if "ScheduleGPipe" not in kinds or kinds["ScheduleGPipe"]["loss_fn"] != "lm_loss_sum":
+            problems.append("no evaluation schedule: eval_schedule = build_schedule('gpipe', "
+                            "stage, args.microbatches, lm_loss_sum) (it sums, evaluate divides)")
+            break
+    summary = run.summary or {}
+    if not problems and not run.crashed and not summary.get("idle_fraction_per_stage"):
+        problems.append("no idle share measured: timer = StageBusyTimer(stage, device), "
+                        "timer.start_step() before schedule.step and "
+                        "idle_history.append(timer.idle_fraction()) after it")
+    if problems:
+        rep.fail(36, problems[0])
+    else:
+        idle = summary.get("idle_fraction_per_stage")
+        rep.ok(36, f"{len(records)} stages, a 1F1B schedule for training and GPipe for "
+               "evaluation" + (f"; measured idle share per stage "
+                               f"{' '.join(f'{f:.0%}' for f in idle)}" if idle else ""))
+    return True
+
+
+def check_schedule_calls(ctx, run) -> None:
+    rep = ctx.report
+    steps = [(rank, c) for rank, r in enumerate(run.ranks) for c in r.get("schedule_calls", [])
+             if c["kind"] == "step"]
+    if not steps:
+        text = "the loop still runs the model itself: schedule.step(...) runs the pipeline"
+        if ctx.status.get(37) == "not started":
+            rep.needed(37, f"the stages are built (TODO 36), but {text}")
+        else:
+            rep.fail(37, f"schedule.step is never called: {text}")
+        return
+    rep.attempt(37)
+    last = len(run.ranks) - 1
+    for rank, c in steps:
+        if rank == 0 and c["args"] != 1:
+            rep.fail(37, "the first stage must pass the tokens: schedule.step(x, ...)")
+            return
+        if rank != 0 and c["args"] != 0:
+            rep.fail(37, f"stage {rank} passes inputs to schedule.step: only the first stage "
+                     "does, the others receive activations")
+            return
+        if rank == last and not (c["target"] and c["losses"]):
+            rep.fail(37, "the last stage must pass target=y and losses=losses (a list that "
+                     "receives the microbatch losses)")
+            return
+
+
+
+
+
+HINTS = {
+    34: ("Each rank keeps only its stage: its blocks, the embeddings on the first stage, the "
+         "final norm and output layer on the last. Checkpoint keys keep their names.",
+         "split_pipeline_stage(model, stage_index, num_stages, layers_per_stage): keep "
+         "stage_layers(...)[stage_index], del model.layers[name] for the others, set "
+         "tok_emb/pos_emb (not first) and norm/output (not last) to None."),
+    35: ("All stages of one pipeline work on the same batches (the first uses the tokens, the "
+         "last the targets): the pipeline is one data-parallel replica.",
+         "num_replicas=1, rank=0 in the three samplers."),
+    36: ("A PipelineStage sends and receives the activations; a schedule runs the microbatches "
+         "through the stages; a timer measures the bubble.",
+         "split_pipeline_stage(...), PipelineStage(model, stage_index, num_stages, device), "
+         "build_schedule(args.schedule, stage, args.microbatches, lm_loss) and "
+         "build_schedule('gpipe', ..., lm_loss_sum) for evaluation, StageBusyTimer(stage, device)."),
+    37: ("The schedule runs forward, loss and backward for all microbatches: the first stage "
+         "gives it the tokens, the last the targets and a list for the losses.",
+         "schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None, "
+         "losses=losses) between timer.start_step() and idle_history.append(...)."),
+    38: ("Only the last stage computes the loss: take it from there, and count one batch's "
+         "tokens per step (one pipeline, one batch).",
+         "torch.stack(losses).mean() on the last stage, dist.broadcast(step_loss, "
+         "src=num_stages - 1); throughput.step(x.numel())."),
+    39: ("No rank holds the whole model: every stage writes its part of one checkpoint folder, "
+         "whose keys are the whole model's.",
+         "dcp.save(model.state_dict(), checkpoint_id=out_dir / 'best_model') (and "
+         "'final_model') on every rank."),
+    40: ("Evaluation runs through the pipeline too (forward only), with a fixed batch shape; "
+         "the sums exist on the last stage.",
+         "evaluate(model, loader, device, stage, schedule): pad a short batch (tokens 0, targets "
+         "IGNORE_INDEX), schedule.eval(...), then dist.broadcast(loss_sum, src=last stage)."),
+}

@@ -1,0 +1,235 @@
+"""Step 1's job file, to_distributed_training.sbatch (TODOs 12-16): GPUs, master address,
+port, one torchrun per node.
+
+The file runs as sbatch would run it (its #SBATCH lines read like sbatch reads them), on a
+pretend cluster whose nodes have 4 GPUs: as a two-node job whose nodes have InfiniBand names
+(jrc0001i, as at JSC), and as a one-node job without them and with another job id. Stand-ins
+for scontrol, nslookup, srun and torchrun record what would start where: how many processes per
+node, which GPUs each sees, how the nodes find each other.
+"""
+
+from __future__ import annotations
+
+import re
+
+from selfcheck import slurm
+
+FILE = "to_distributed_training.sbatch"
+WHAT = "the DDP job file: GPUs, master address, port, torchrun"
+TODOS = {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node", 16: "two nodes"}
+GPUS_PER_NODE = 4
+SCRIPT = "train/to_distributed_training.py"
+
+
+def show(script, work) -> list[str]:
+    return slurm.describe(slurm.submit(script, work))
+
+
+def stopped(ctx, job, todo_default=None) -> bool:
+    """Report a job file that bash stopped, under the TODO of the line it stopped at."""
+    if job.returncode == 0:
+        return False
+    line, message = job.bash_error()
+    todo = ctx.todo_of(line) if line else None
+    m = re.search(r"(\w+): unbound variable", message)
+    if m:
+        message = (f"${m.group(1)} is used but never set (set -u stops there): set it before "
+                   "this line, or write ${" + m.group(1) + ":-default}")
+    elif job.returncode == 141:
+        message = ("a reader stopped a pipeline early (head -n 1, or awk's exit), and the "
+                   "writer died of SIGPIPE, which set -o pipefail turns into a failed job: "
+                   "read to the end (sed -n 1p, awk '... && !n++')")
+    elif not message:
+        message = f"exit code {job.returncode}"
+    where = f"line {line}: " if line else ""
+    target = todo or todo_default or next((n for n, s in sorted(ctx.status.items())
+                                           if s == "edited"), min(TODOS))
+    ctx.report.fail(target, f"the job file stops at {where}{message}")
+    ctx.report.attempt(target)
+    return True
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    two = slurm.submit(ctx.script, ctx.work, nodes=2, job_id="4242")
+    one = slurm.submit(ctx.script, ctx.work, nodes=1, job_id="4243", dns=False)
+    directives = two.directives
+    nodes = int(str(directives.get("--nodes", "1")).split("-")[0] or 1)
+    gpus = slurm.gpus_of(directives)
+    # TODO 16 and 12 (the #SBATCH lines)
+    if nodes == 2:
+        rep.ok(16, "two nodes")
+    else:
+        rep.fail(16, f"the job asks for {nodes} node(s): #SBATCH --nodes=2 (once one node works)")
+    if gpus != GPUS_PER_NODE:
+        rep.fail(12, f"the job asks for {gpus} GPU(s) per node: ask for all "
+                 f"{GPUS_PER_NODE} of a node, #SBATCH --gres=gpu:{GPUS_PER_NODE}")
+    if stopped(ctx, two) or stopped(ctx, one):
+        return
+    workers = two.workers()
+    if not workers:
+        rep.fail(15, "srun starts nothing that trains")
+        return
+    torchruns = two.of("torchrun")
+    if not torchruns:
+        rep.fail(15, "srun still starts python itself (one process per node, 1 of "
+                 f"{GPUS_PER_NODE} GPUs busy): srun ... bash -c 'exec torchrun ...' (see the TODO)")
+        rep.fail(13, "needs TODO 15's torchrun first") if rep.status.get(13) == "edited" else None
+        check_visible(ctx, two)
+        return
+    rep.attempt(15)
+    check_geometry(ctx, two)
+    check_rendezvous(ctx, two, one)
+    check_visible(ctx, two)
+
+
+def check_visible(ctx, job) -> None:
+    rep = ctx.report
+    env = (job.workers() or [{}])[0].get("env", {})
+    visible = [g for g in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+    if rep.failed(12):
+        return
+    if len(visible) == GPUS_PER_NODE:
+        rep.ok(12, f"{GPUS_PER_NODE} GPUs per node, all visible to the processes "
+               f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES')})")
+    else:
+        rep.fail(12, f"the processes see {len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES="
+                 f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): export "
+                 "CUDA_VISIBLE_DEVICES=0,1,2,3")
+
+
+def arg(words, name):
+    """--name=value or --name value (torchrun takes both, and - or _ in names)."""
+    names = {name, name.replace("_", "-")}
+    for i, w in enumerate(words):
+        key = w.split("=", 1)[0]
+        if key in names:
+            return w.split("=", 1)[1] if "=" in w else (words[i + 1] if i + 1 < len(words) else "")
+    return None
+
+
+def check_geometry(ctx, job) -> None:
+    """One torchrun per node, as many processes per node as GPUs, every node in the job."""
+    rep = ctx.report
+    per_node: dict[int, list] = {}
+    for e in job.of("torchrun"):
+        per_node.setdefault(e["node"], []).append(e)
+    n_nodes = len(job.nodes)
+    counts = job.processes_per_node()
+    problems = []
+    if sorted(per_node) != list(range(n_nodes)):
+        problems.append(f"torchrun runs on node(s) {sorted(per_node)} of {n_nodes}: srun starts "
+                        "one task on every node of the job")
+    elif any(len(v) > 1 for v in per_node.values()):
+        k = max(len(v) for v in per_node.values())
+        problems.append(f"srun starts {k} torchruns on each node, each starting its own "
+                        f"processes ({counts.get(0)} per node for {GPUS_PER_NODE} GPUs): one task "
+                        "per node (#SBATCH --ntasks-per-node=1), torchrun starts one process "
+                        "per GPU")
+    else:
+        first = per_node[0][0]
+        nproc = arg(first["args"], "--nproc_per_node")
+        too_few_visible = nproc in ("gpu", "auto") and first.get("visible_gpus", 0) < GPUS_PER_NODE
+        if counts.get(0) != GPUS_PER_NODE and not too_few_visible:  # (that one is TODO 12's)
+            problems.append(f"torchrun starts {counts.get(0)} process(es) per node "
+                            f"(--nproc_per_node={nproc}) for {GPUS_PER_NODE} GPUs: "
+                            "--nproc_per_node=\"$NPROC_PER_NODE\", which is gpu (one per GPU) "
+                            "unless set")
+        nnodes = arg(first["args"], "--nnodes")
+        if nnodes not in (str(n_nodes), f"{n_nodes}:{n_nodes}"):
+            problems.append(f"torchrun has --nnodes={nnodes} in a job of {n_nodes} nodes: "
+                            "--nnodes=\"$SLURM_JOB_NUM_NODES\"")
+        script_args = first["args"]
+        if not any(a.endswith(SCRIPT) or a == "$SCRIPT" for a in script_args):
+            problems.append("torchrun does not get the training script: end with "
+                            "\"$SCRIPT\" \"${ARGS[@]}\"")
+        elif script_args[-2:] != ["--epochs", "1"]:
+            problems.append("the job's own arguments (sbatch FILE --epochs 1) do not reach the "
+                            "script: end with \"$SCRIPT\" \"${ARGS[@]}\"")
+    if problems:
+        rep.fail(15, problems[0])
+    else:
+        rep.ok(15, f"one torchrun on each of the {n_nodes} nodes, {GPUS_PER_NODE} processes each")
+
+
+def check_rendezvous(ctx, two, one) -> None:
+    rep = ctx.report
+    runs = sorted(two.of("torchrun"), key=lambda e: e["node"])
+    args0 = runs[0]["args"]
+    backend = arg(args0, "--rdzv_backend")
+    rdzv_id = {arg(e["args"], "--rdzv_id") for e in runs}
+    endpoints = {arg(e["args"], "--rdzv_endpoint") for e in runs}
+    hosts = [arg(e["args"], "--rdzv_conf") or "" for e in runs]
+    if backend != "c10d":
+        rep.fail(15, f"--rdzv_backend={backend}: the nodes meet through --rdzv_backend=c10d")
+    elif rdzv_id != {"4242"}:
+        rep.fail(15, f"--rdzv_id is {', '.join(sorted(map(str, rdzv_id)))} for job 4242: "
+                 "--rdzv_id=\"$SLURM_JOB_ID\", the same on every node and new for every job")
+    elif len(endpoints) > 1:
+        rep.fail(13, f"the nodes look for the rendezvous at different addresses "
+                 f"({', '.join(sorted(map(str, endpoints)))}): every node must use the first "
+                 "node's")
+    elif "is_host=1" not in hosts[0] or any("is_host=1" in h for h in hosts[1:]):
+        rep.fail(15, "only node 0 hosts the rendezvous: "
+                 "--rdzv_conf=is_host=$(( SLURM_NODEID == 0 ? 1 : 0 )) (single quotes around "
+                 "the bash -c command, so each node computes its own)")
+    endpoint = next(iter(endpoints)) or ""
+    env0 = runs[0].get("env", {})
+    host, _, port = endpoint.rpartition(":")
+    if len(endpoints) == 1:
+        if host == "10.10.0.1":
+            rep.ok(13, "the rendezvous is the InfiniBand address of the first node")
+        elif host == "10.10.0.2":
+            rep.fail(13, "the rendezvous is the LAST node's address: take the first line, "
+                     "scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed -n 1p")
+        elif host in two.nodes:
+            rep.fail(13, f"the rendezvous is {host}, its ethernet name: on JSC systems use the "
+                     f"address of its InfiniBand name ({host}i), nslookup \"${{MASTER_ADDR}}i\"")
+        else:
+            rep.fail(13, f"rendezvous endpoint {endpoint or '(none)'}, expected the address of "
+                     "jrc0001i: MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" "
+                     "| sed -n 1p), then nslookup \"${MASTER_ADDR}i\"")
+    one_runs = one.of("torchrun")
+    one_end = arg(one_runs[0]["args"], "--rdzv_endpoint") if one_runs else None
+    if one_end and one_end.rpartition(":")[0] == one.nodes[0]:
+        if not rep.failed(13):
+            rep.ok(13, "without an InfiniBand name the plain host name is used")
+    elif one_runs:
+        rep.fail(13, f"on a node without an <node>i name the endpoint is {one_end}: keep the "
+                 "plain host name then, if [ -n \"$IB_ADDR\" ]; then MASTER_ADDR=$IB_ADDR; fi")
+    port1 = (one_end or "").rpartition(":")[2]
+    if not port.isdigit():
+        rep.fail(14, f"no port in the rendezvous endpoint ({endpoint or 'none'}): "
+                 "--rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\"")
+    elif not 1024 <= int(port) < 65536:
+        rep.fail(14, f"port {port} is outside 1024-65535")
+    elif port == port1:
+        rep.fail(14, f"jobs 4242 and 4243 both use port {port}: two jobs on one node would "
+                 "collide; derive it from the job id, MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))")
+    elif env0.get("MASTER_PORT") not in (None, port):
+        rep.fail(14, f"MASTER_PORT={env0.get('MASTER_PORT')} but the endpoint uses {port}")
+    else:
+        rep.ok(14, f"the port ({port}) comes from the job id")
+
+
+HINTS = {
+    12: ("DDP needs every GPU of a node: ask Slurm for all of them, and let every process see "
+         "them all (torchrun gives each process one by its local rank).",
+         "#SBATCH --gres=gpu:4 in the header; export CUDA_VISIBLE_DEVICES=0,1,2,3 in the body."),
+    13: ("All nodes must meet at one address: the first node of the job. On JSC systems its "
+         "InfiniBand interface has its own name, the node name with an i at the end; elsewhere "
+         "there is none and the plain name is the address.",
+         "scontrol show hostnames \"$SLURM_JOB_NODELIST\" lists the nodes (take the first line "
+         "without stopping the reader early: sed -n 1p); nslookup \"<name>i\" gives the address "
+         "if the name exists; export MASTER_ADDR."),
+    14: ("Two jobs on one node must not use the same port, so derive it from the job id.",
+         "export MASTER_PORT with a number between 1024 and 65535 computed from $SLURM_JOB_ID, "
+         "and echo both variables for the job's log."),
+    15: ("One torchrun per node: srun starts it on every node, and torchrun starts one process "
+         "per GPU and joins the nodes at the rendezvous on the first node.",
+         "srun ... bash -c 'exec torchrun --nnodes=... --nproc_per_node=... --rdzv_backend=c10d "
+         "--rdzv_id=... --rdzv_endpoint=... --rdzv_conf=is_host=...' torchrun \"$SCRIPT\" "
+         "\"${ARGS[@]}\": the single quotes make each node expand $SLURM_NODEID itself."),
+    16: ("Once one node works, the same file runs on two: only the number of nodes changes.",
+         "#SBATCH --nodes=2."),
+}

@@ -1,0 +1,319 @@
+"""Step 3, train/tp_training.py (TODOs 23-33): tensor parallelism on a 2-D (dp, tp) mesh.
+
+Your script runs as one node with two processes (the TP degree defaults to the processes per
+node: tp 2, dp 1) next to the DDP solution in one process with the same batch, and once more in
+one process with --tp 3, which cannot split: it must stop with one line. The check looks at
+the mesh the script built, how every parameter is split, which batches the ranks read, what
+the run counts and logs, and the weights it saves.
+"""
+
+from __future__ import annotations
+
+from selfcheck.compare import near
+from selfcheck.runs import ONE, ONE_NODE_TWO, TWO_NODES, Run
+from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
+                                    check_imports, check_losses, check_tokens,
+                                    check_training_shards, check_weights_file, report_crash)
+
+FILE = "train/tp_training.py"
+WHAT = "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"
+TODOS = {23: "imports", 24: "apply_tp", 25: "--tp", 26: "mesh", 27: "samplers count replicas",
+         28: "apply_tp call", 29: "FSDP on dp", 30: "loss_parallel", 31: "per replica",
+         32: "save_full_model", 33: "evaluate"}
+BATCH = 4
+SHORT = ["--max-steps", "8"]  # fewer steps, less drift from summing in another order
+OPTIONAL = {"--tp": 1}
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    ref = Run(ctx.work, "reference", ctx.root / "solutions/train/to_distributed_training.py",
+              BATCH, extra=SHORT, reference=True)
+    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=ONE_NODE_TWO, extra=SHORT,
+              eval_probe=True, optional=OPTIONAL)
+    bad = Run(ctx.work, "tp3", ctx.script, BATCH, geometry=ONE, optional=OPTIONAL,
+              extra=["--tp", "3", "--max-steps", "1"])
+    # on two nodes with one process each, TP must stay inside a node: --tp defaults to 1
+    nodes = Run(ctx.work, "two nodes", ctx.script, BATCH, geometry=TWO_NODES, optional=OPTIONAL,
+                extra=["--max-steps", "1"])
+    ref.wait(), run.wait(), bad.wait(), nodes.wait()
+    if ref.crashed:
+        raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
+    records = [r for r in run.ranks if r]
+    if not records:
+        report_crash(ctx, run)
+        return
+    r0 = records[0]
+    check_option(ctx, run, bad, nodes)
+    check_mesh(ctx, run)
+    check_plan(ctx, run)
+    if run.crashed:
+        if r0.get("ddp") and (r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("returned"):
+            report_crash(ctx, run, todo=29, cause="DDP cannot hold the DTensor parameters TP "
+                         "made: fully_shard(block, mesh=mesh['dp']) for every block, then "
+                         "fully_shard(model, mesh=mesh['dp']), instead of DDP")
+        report_crash(ctx, run)
+        rep.note(f"(full output: {run.dir / 'output.txt'})")
+        check_imports(ctx, 23, run) if not rep.failed(23) else None
+        return
+    check_imports(ctx, 23, run)
+    tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
+    dp = run.geometry.world // tp if tp else 1
+    if r0.get("meshes"):  # before the mesh, the samplers of the DDP script are right as they are
+        check_training_shards(ctx, run, 27, 27, replicas=dp, replica_of=lambda r: r // tp,
+                              made_is_attempt=False)
+        check_eval_reads(ctx, run, 27, replicas=dp, replica_of=lambda r: r // tp,
+                         made_is_attempt=False)
+    check_fsdp(ctx, run)
+    split = r0.get("tp", {}).get("split")
+    if split:
+        check_losses(ctx, run, ref, 31)
+        check_tokens(ctx, run, 31, BATCH * dp * SEQ_LEN,
+                     "throughput.step(x.numel() * dp_size): the ranks of a TP group share one batch")
+        check_summary(ctx, run)
+        if any(c["func"] == "main" for c in calls(run, "loss_parallel")):
+            rep.attempt(30)
+            rep.ok(30, "the loss over the split logits runs under loss_parallel")
+        else:
+            rep.fail(30, "the loss never runs under loss_parallel(): gathering the whole "
+                     "logits (full_tensor) works, but costs the memory and traffic TP saves: "
+                     "with loss_parallel(): loss = F.cross_entropy(...); loss.backward()")
+        if calls(run, "save_full_model"):
+            rep.attempt(32)
+        check_weights_file(ctx, run, ref, 32, "final_model.pt", how=": save_full_model(model, "
+                           "out_dir / 'final_model.pt') on every rank")
+        check_weights_file(ctx, run, ref, 32, "best_model.pt", ref_name="best_model.pt")
+        if check_eval_exact(ctx, run, 33, "evaluate(model, loader, device, dp_group): the loss "
+                            "inside loss_parallel(), full_tensor(), all_reduce_sum over dp_group"):
+            s = run.summary
+            if not (near(s["val_loss"], ref.summary["val_loss"])
+                    and near(s["test_loss"], ref.summary["test_loss"])):
+                rep.fail(33, f"validation loss {s['val_loss']:.5f}, single process "
+                         f"{ref.summary['val_loss']:.5f}")
+        if not all(e["resharded"] for e in r0.get("evals", [])):
+            rep.fail(33, "after evaluate() the root's gathered weights stay on every rank: "
+                     "model.reshard() at the end of evaluate()")
+
+
+def check_option(ctx, run, bad, nodes) -> None:
+    rep = ctx.report
+    parser = (run.ranks[0] or {}).get("parser", {})
+    given = ((bad.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+    if isinstance(given, str):
+        rep.fail(25, f"--tp 3 arrives as the string {given!r}: add_argument('--tp', "
+                 "type=positive_int, ...)")
+        return
+    if "--tp" in parser.get("missing", []) or "--tp" not in parser.get("options", ["--tp"]):
+        if rep.status.get(25) != "not started":
+            rep.fail(25, "there is no --tp option yet: parser.add_argument('--tp', "
+                     "type=positive_int, default=int(os.environ.get('LOCAL_WORLD_SIZE', 1)))")
+        else:
+            rep.fail(25, "no --tp option")
+        return
+    rep.attempt(25)
+    tp = parser.get("values", {}).get("tp")
+    if tp != run.geometry.per_node:
+        rep.fail(25, f"--tp defaults to {tp} with {run.geometry.per_node} processes on the node: "
+                 "default=int(os.environ.get('LOCAL_WORLD_SIZE', 1))")
+    else:
+        on_nodes = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+        if on_nodes is not None and on_nodes != 1:
+            rep.fail(25, f"on two nodes with one process each --tp defaults to {on_nodes}: TP "
+                     "must stay inside a node, default=int(os.environ.get('LOCAL_WORLD_SIZE', 1)) "
+                     "(the processes of this node, not WORLD_SIZE)")
+        else:
+            rep.ok(25, f"--tp defaults to the processes per node ({tp})")
+    # --tp 3 in one process cannot split: one line, no traceback (check_tp_degree, TODO 26)
+    b = bad.ranks[0] or {}
+    if "--tp" in b.get("parser", {}).get("missing", []):
+        return
+    f = bad.failure
+    if f is None:
+        rep.fail(26, "with --tp 3 in one process the run went on: call check_tp_degree(args.tp, "
+                 "world_size, cfg) before building the mesh")
+    elif not (f.kind == "exit" and f.message.startswith("error:")):
+        rep.fail(26, f"with --tp 3 in one process the run ends in {f.message[:80]!r} instead of "
+                 "one line saying what to change: check_tp_degree(args.tp, world_size, cfg) "
+                 "first")
+
+
+def check_mesh(ctx, run) -> None:
+    """The mesh the script built: 2-D (dp, tp), tp the inner (fast-changing) dimension."""
+    rep = ctx.report
+    meshes = [(r["rank"], m) for r in run.ranks if r for m in r.get("meshes", [])]
+    if not meshes:
+        if ctx.status.get(26) == "edited":
+            rep.fail(26, "no device mesh was built: mesh = init_device_mesh(device.type, "
+                     "(world_size // args.tp, args.tp), mesh_dim_names=('dp', 'tp'))")
+        return
+    rep.attempt(26)
+    tp = (run.ranks[0].get("parser", {}).get("values", {}) or {}).get("tp") or 2
+    world = run.geometry.world
+    for rank, m in meshes:
+        names, shape = m["names"], m["shape"]
+        if sorted(names) != ["dp", "tp"] or len(shape) != 2:
+            rep.fail(26, f"the mesh has dims {names or 'without names'} of sizes {shape}: two "
+                     "named dims, mesh_dim_names=('dp', 'tp')")
+            return
+        sizes = dict(zip(names, shape, strict=True))
+        if sizes["tp"] != tp or sizes["dp"] != world // tp:
+            rep.fail(26, f"the mesh is dp {sizes['dp']} x tp {sizes['tp']} with --tp {tp} on "
+                     f"{world} processes: (world_size // args.tp, args.tp), in that order")
+            return
+        if names != ["dp", "tp"]:
+            rep.fail(26, "tp must be the inner dim, so a TP group is neighbouring ranks on one "
+                     "node: mesh_dim_names=('dp', 'tp') with shape (world_size // tp, tp)")
+            return
+        coords = m.get("coords")
+        if coords and coords != [rank // tp, rank % tp]:
+            rep.fail(26, f"rank {rank} sits at {coords} of the mesh, expected "
+                     f"{[rank // tp, rank % tp]}")
+            return
+    # the script's dp_rank and dp_size, seen where it built its samplers
+    for r in run.ranks:
+        for s in (r or {}).get("samplers", []):
+            loc = s.get("locals", {})
+            want_rank, want_size = r["rank"] // tp, world // tp
+            if loc.get("dp_rank", want_rank) != want_rank:
+                rep.fail(26, f"on rank {r['rank']} dp_rank is {loc['dp_rank']}, its replica is "
+                         f"{want_rank}: dp_rank = mesh['dp'].get_local_rank() (not the global "
+                         "rank)")
+                return
+            if loc.get("dp_size", want_size) != want_size:
+                rep.fail(26, f"dp_size is {loc['dp_size']}, the mesh has {want_size} replicas: "
+                         "dp_size = mesh['dp'].size()")
+                return
+    rep.ok(26, f"the mesh is dp {world // tp} x tp {tp}, tp the inner dim")
+
+
+def check_plan(ctx, run) -> None:
+    """TODO 24 (the plan) and 28 (the call): judged once apply_tp has run on rank 0."""
+    rep = ctx.report
+    r0 = run.ranks[0]
+    applied = r0.get("own_calls", {}).get("apply_tp", [])
+    if applied:
+        rep.attempt(28)
+        mesh = applied[0]["args"][1] if len(applied[0]["args"]) > 1 else \
+            applied[0]["kwargs"].get("tp_mesh", {})
+        if isinstance(mesh, dict) and mesh.get("type") == "DeviceMesh" and \
+                mesh.get("names") != ["tp"]:
+            rep.fail(28, f"apply_tp gets the mesh of dims {mesh.get('names')}: give it the tp "
+                     "dim only, apply_tp(model, mesh['tp'])")
+            return
+    elif r0.get("meshes") and "apply_tp" in r0.get("defined", []):
+        if ctx.status.get(28) == "edited" or not run.crashed:
+            rep.fail(28, "apply_tp is never called: model = apply_tp(model, mesh['tp'])")
+        rep.waits(24, "apply_tp is checked once TODO 28 calls it")
+    if not (applied and applied[0].get("returned")) and not calls(run, "parallelize_module"):
+        return
+    rep.attempt(24)
+    desc = r0.get("tp") or {}
+    wrong = desc.get("wrong", [])
+    outputs = r0.get("outputs", [])
+    local = next((o for o in outputs if o["type"] != "DTensor" and o["vocab"]
+                  and o["shape"][-1] < o["vocab"]), None)
+    if wrong:
+        rep.fail(24, "not split as planned: " + "; ".join(wrong[:3]))
+    elif local:
+        rep.fail(24, f"the model returns plain logits of {local['shape'][-1]} of the "
+                 f"{local['vocab']} words on each rank: keep them a DTensor for loss_parallel, "
+                 "'output': ColwiseParallel(use_local_output=False)")
+    elif applied and applied[0].get("returned"):
+        rep.ok(24, "q/k/v and in_proj column-wise, out_proj row-wise, the embedding and the "
+               "output layer over the vocabulary")
+    used = r0.get("meshes_used", {})
+    if any("tp" in names.split(",") for names in used):
+        rep.ok(28, "apply_tp(model, mesh['tp']) split the model over the tp dim")
+
+
+def check_fsdp(ctx, run) -> None:
+    rep = ctx.report
+    r0 = run.ranks[0]
+    if r0.get("ddp"):
+        if rep.status.get(29) == "not started":
+            rep.fail(29, "DDP still wraps the model")
+        else:
+            rep.fail(29, "the model is still wrapped in DDP, which cannot take DTensors: "
+                     "fully_shard(block, mesh=mesh['dp']) for every block, then "
+                     "fully_shard(model, mesh=mesh['dp'])")
+        return
+    units = r0.get("fsdp")
+    if not units:
+        rep.fail(29, "no FSDP unit: fully_shard(block, mesh=mesh['dp']) for every block, then "
+                 "fully_shard(model, mesh=mesh['dp'])")
+        return
+    rep.attempt(29)
+    used = r0.get("meshes_used", {})
+    if not (all(units["blocks"]) and units["root"]):
+        rep.fail(29, f"FSDP units: blocks {units['blocks']}, root {units['root']}: "
+                 "fully_shard every block, then the root, on mesh['dp']")
+    elif not any("dp" in names.split(",") for names in used):
+        rep.fail(29, "FSDP does not shard over the dp dim: fully_shard(..., mesh=mesh['dp'])")
+    else:
+        rep.ok(29, "every block and the root are fully_shard-ed on the dp mesh")
+
+
+def check_summary(ctx, run) -> None:
+    rep = ctx.report
+    s = run.summary
+    r0 = run.ranks[0]
+    tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp")
+    dp = run.geometry.world // tp if tp else None
+    if s.get("tensor_parallel_size") != tp or s.get("global_batch_size") != BATCH * (dp or 1):
+        rep.fail(31, f"summary.json says tensor_parallel_size {s.get('tensor_parallel_size')}, "
+                 f"global batch {s.get('global_batch_size')}: training_summary(..., "
+                 "data_parallel_size=dp_size, tensor_parallel_size=args.tp, "
+                 "params_per_rank=local_params)")
+
+
+HINTS = {
+    23: ("Tensor parallelism needs a device mesh, the parallel styles, the loss over split "
+         "logits, FSDP for the data-parallel dimension and the gathering save.",
+         "os; init_device_mesh (torch.distributed.device_mesh); Replicate "
+         "(torch.distributed.tensor); parallelize_module, ColwiseParallel, RowwiseParallel and "
+         "loss_parallel (torch.distributed.tensor.parallel); fully_shard "
+         "(torch.distributed.fsdp); save_full_model (utils.distributed_utils)."),
+    24: ("Megatron's split: the first linear layer of attention and of the MLP column-wise "
+         "(each rank some heads or hidden units), the second row-wise (an all-reduce adds the "
+         "parts); the embedding and the output layer split over the vocabulary.",
+         "apply_tp(model, tp_mesh): parallelize_module(block, tp_mesh, {name: style}) for every "
+         "block (q/k/v_proj and mlp.in_proj ColwiseParallel(), out_projs RowwiseParallel()), "
+         "then parallelize_module(model, tp_mesh, {'tok_emb': RowwiseParallel(input_layouts="
+         "Replicate()), 'output': ColwiseParallel(use_local_output=False)})."),
+    25: ("The TP degree is an option; by default the processes of one node, because TP talks "
+         "in every layer and needs the fast links inside a node.",
+         "parser.add_argument('--tp', type=positive_int, default=...) with the default from "
+         "the LOCAL_WORLD_SIZE environment variable (torchrun sets it)."),
+    26: ("Arrange the ranks in a grid: rows are data-parallel replicas, columns the ranks of "
+         "one TP group; TP is the inner dimension, so neighbouring ranks (one node) share "
+         "layers. Stop first if the model or the world cannot be split.",
+         "check_tp_degree(args.tp, world_size, cfg); init_device_mesh(device.type, (dp, tp), "
+         "mesh_dim_names=('dp', 'tp')); the dp rank, size and group from mesh['dp']: "
+         "get_local_rank(), size(), get_group()."),
+    27: ("The ranks of a TP group compute on the same batch: the samplers count data-parallel "
+         "replicas, not processes.",
+         "num_replicas=dp_size, rank=dp_rank in the three samplers."),
+    28: ("Apply the plan on the TP dimension only, and report what each rank now holds.",
+         "model = apply_tp(model, mesh['tp']); local_params sums p.to_local().numel() over the "
+         "DTensor parameters (p.numel() for the others)."),
+    29: ("Gradients are averaged over the data-parallel replicas only, and DDP cannot take "
+         "DTensor parameters: FSDP on the dp dimension does both.",
+         "fully_shard(block, mesh=mesh['dp']) for every block, then fully_shard(model, "
+         "mesh=mesh['dp']), instead of DDP."),
+    30: ("The logits are split over the vocabulary: loss_parallel computes the cross-entropy on "
+         "the pieces with small all-reduces instead of gathering them; backward must run inside "
+         "it too. The loss comes back as a DTensor, the same on every rank of the group.",
+         "with loss_parallel(): the loss, zero_grad and backward; then loss.full_tensor()."),
+    31: ("A TP group trains on one batch: tokens and losses are counted per replica, and the "
+         "summary says how the world was split.",
+         "throughput.step(x.numel() * dp_size); all_reduce_mean(..., group=dp_group); "
+         "training_summary(..., data_parallel_size=dp_size, tensor_parallel_size=args.tp, "
+         "params_per_rank=local_params)."),
+    32: ("The weights are DTensors, split over the ranks: gather them to save one ordinary "
+         "file (a collective).",
+         "save_full_model(model, path) on every rank, for best and final."),
+    33: ("Evaluation meets the same split logits as training, and its sums are added up over "
+         "the replicas only (a TP group evaluated the same samples).",
+         "evaluate(model, loader, device, dp_group): the loss inside loss_parallel() with "
+         ".full_tensor(), all_reduce_sum(t, dp_group), then model.reshard()."),
+}
