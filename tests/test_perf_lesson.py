@@ -169,6 +169,26 @@ def test_the_scaling_report_compares_world_sizes_against_the_smallest_and_draws_
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
+@pytest.mark.parametrize("change, words", [
+    ({"script": "fsdp_training.py"}, "differ in script"),
+    ({"preset": "small"}, "differ in preset"),
+    ({"precision": "bf16"}, "differ in precision"),
+    ({"world_size": 1}, "more than one run at world size 1"),
+])
+def test_the_scaling_report_refuses_runs_that_do_not_compare(scaling_runs, tmp_path, change,
+                                                              words):
+    """A DDP run at 1 process against an FSDP run at 2 (or another preset, precision, or two
+    runs at one world size) would draw a speed-up that means nothing."""
+    import json
+    other = read_summary(scaling_runs / "two") | change
+    (tmp_path / "summary.json").write_text(json.dumps(other))
+    png = tmp_path / "scaling.png"
+    proc = report(scaling_runs / "one" / "summary.json", tmp_path / "summary.json", "-o", png)
+    assert proc.returncode != 0 and not png.exists()
+    [line] = proc.stderr.strip().splitlines()
+    assert words in line and "summary.json" in line
+
+
 def test_the_scaling_report_refuses_a_file_that_is_not_a_summary_and_draws_nothing(
         scaling_runs, tmp_path):
     bad = tmp_path / "notes.json"

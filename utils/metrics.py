@@ -6,6 +6,7 @@ import json
 import math
 import os
 import resource
+import sys
 import time
 from pathlib import Path
 
@@ -212,7 +213,9 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
         test_loss=test_loss, test_ppl=perplexity(test_loss),
         tokens_per_s=tokens_per_s, flops_per_token=flops_per_token,
         mfu=tokens_per_s * flops_per_token / (peak * world_size),
-        device=str(device), peak_flops_per_device=peak, peak_flops_source=peak_source,
+        device=str(device), device_type=device.type,
+        script=Path(sys.argv[0]).name,  # which lesson wrote it (tools/scaling_report.py compares)
+        peak_flops_per_device=peak, peak_flops_source=peak_source,
         peak_mem_bytes=peak_memory_bytes(device), wall_time_s=time.time() - start_time,
         precision=precision, data=corpus.source, preset=args.preset, model_config=cfg.to_dict(),
         args=vars(args),
