@@ -167,14 +167,33 @@ def test_the_pcie_h100_has_lower_peaks_than_the_sxm_h100(monkeypatch):
     assert all(p < s for p, s in zip(peaks["NVIDIA H100 PCIe"], peaks["NVIDIA H100 80GB HBM3"]))
 
 
-def test_mfu_on_a_cpu_measures_a_matmul_in_the_precision_and_tf32_there_is_fp32(monkeypatch):
+@pytest.fixture
+def measured(monkeypatch, tmp_path):
+    """A fake matmul measurement (1 GFLOP/s, each call recorded) and an empty peak cache."""
     monkeypatch.delenv("PEAK_FLOPS", raising=False)
-    measured = []
+    monkeypatch.setenv("COURSE_PEAK_CACHE", str(tmp_path / "peaks.json"))
+    metrics.measured_peak_flops.cache_clear()
+    calls = []
     monkeypatch.setattr(metrics, "measure_matmul_flops",
-                        lambda device, dtype: measured.append(dtype) or 1e9)
+                        lambda device, dtype, seconds=0.3: calls.append(dtype) or 1e9)
+    yield calls
+    metrics.measured_peak_flops.cache_clear()
+
+
+def test_mfu_on_a_cpu_measures_a_matmul_in_the_precision_and_tf32_there_is_fp32(measured):
     sources = [metrics.peak_flops(CPU, p)[1] for p in ("fp32", "tf32", "bf16")]
-    assert measured == [torch.float32, torch.float32, torch.bfloat16]
-    assert sources == ["measured float32 matmul on cpu"] * 2 + ["measured bfloat16 matmul on cpu"]
+    assert measured == [torch.float32, torch.bfloat16]  # tf32 on a CPU is fp32: measured once
+    assert all(s.startswith("measured float32 matmul on cpu (") for s in sources[:2])
+    assert sources[2].startswith("measured bfloat16 matmul on cpu (")
+
+
+def test_a_cpu_peak_is_measured_once_per_machine_and_read_back_by_later_runs(measured):
+    """Every run's MFU divides by the same number: the first run measures, the others read
+    the cache (a new process: the in-memory copy is gone)."""
+    first = metrics.peak_flops(CPU, "fp32")
+    metrics.measured_peak_flops.cache_clear()
+    assert metrics.peak_flops(CPU, "fp32") == first and measured == [torch.float32]
+    assert str(metrics.peak_cache_file()) in first[1] and metrics.device_model(CPU) in first[1]
 
 
 def test_measuring_the_peak_leaves_the_training_random_numbers_alone():

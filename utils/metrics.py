@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import math
 import os
@@ -69,7 +71,9 @@ def peak_flops(device: torch.device, precision: str = "fp32") -> tuple[float, st
     """(peak FLOP/s of one device for the matmul dtype `precision` runs in, where it comes from).
 
     $PEAK_FLOPS overrides; a known GPU uses its data sheet; anything else is measured, with a
-    matmul in that dtype (tf32 on a CPU is float32: see utils/precision.py).
+    matmul in that dtype (tf32 on a CPU is float32: see utils/precision.py), once per machine:
+    a peak measured again in every run would move every run's MFU with the machine's load, and
+    two runs' MFU would not compare (measured_peak_flops keeps it).
     """
     if os.environ.get("PEAK_FLOPS"):
         return float(os.environ["PEAK_FLOPS"]), "PEAK_FLOPS"
@@ -79,8 +83,72 @@ def peak_flops(device: torch.device, precision: str = "fp32") -> tuple[float, st
         for gpu, peaks in GPU_PEAK_FLOPS.items():
             if gpu in name:
                 return peaks[kind], f"{gpu} data sheet ({kind})"
-    dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
-    return measure_matmul_flops(device, dtype), f"measured {kind} matmul on {device.type}"
+    return measured_peak_flops(device, kind)
+
+
+def peak_cache_file() -> Path:
+    """Where measured peaks are kept: $COURSE_PEAK_CACHE, or ~/.cache/course/peak_flops.json."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "course"
+    return Path(os.environ.get("COURSE_PEAK_CACHE") or default / "peak_flops.json")
+
+
+def device_model(device: torch.device) -> str:
+    """The device's model name: the GPU's, or the CPU's from /proc/cpuinfo."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=None)
+def measured_peak_flops(device: torch.device, kind: str) -> tuple[float, str]:
+    """A matmul's FLOP/s on this device in `kind`, measured on the first call on this machine
+    (model, threads, torch) and read from peak_cache_file() afterwards: every run's MFU then
+    divides by the same number. Delete the file (or set PEAK_FLOPS) to measure again."""
+    model = device_model(device)
+    threads = torch.get_num_threads()
+    key = f"{model} | {device.type} | {threads} threads | {kind} | torch {torch.__version__}"
+    path = peak_cache_file()
+    with _exclusive(path):  # the ranks of a node measure one after the other, not all at once
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}
+        entry = known.get(key)
+        if not (isinstance(entry, dict) and entry.get("flops", 0) > 0):
+            dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
+            entry = {"flops": measure_matmul_flops(device, dtype, seconds=1.0),
+                     "measured": time.strftime("%Y-%m-%d")}
+            try:  # a private copy, then a rename: a reader never sees half a file
+                known[key] = entry
+                tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(known, indent=1) + "\n")
+                os.replace(tmp, path)
+            except OSError:
+                pass  # a read-only home: measured again next time, nothing else changes
+    return entry["flops"], (f"measured {kind} matmul on {device.type} ({model}, {threads} "
+                            f"threads, {entry['measured']}; kept in {path})")
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """Hold a lock file next to `path` (or nothing, where none can be made)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115
+    except OSError:
+        yield
+        return
+    import fcntl
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def synchronize(device: torch.device) -> None:
