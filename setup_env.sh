@@ -45,7 +45,10 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
 
-installed_torch=$("$VENV/bin/python" -c 'import torch; print(torch.__version__)' 2>/dev/null || true)
+# The installed torch's version, read without importing torch: before NumPy is installed (by
+# requirements.txt below) an import prints "Failed to initialize NumPy" on a fresh environment.
+torch_version() { "$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"))' 2>/dev/null; }
+installed_torch=$(torch_version || true)
 case "$variant" in
     module)
         [ -n "$installed_torch" ] || { echo "setup_env: TORCH_VARIANT=module but no torch is importable: load your PyTorch module first" >&2; exit 1; }
@@ -79,7 +82,8 @@ case "$variant" in
 esac
 
 # The torch now installed satisfies the other packages: keep it (never pull a second build).
-torch_now=$("$VENV/bin/python" -c 'import torch; print(torch.__version__.split("+")[0])')
+torch_now=$(torch_version)
+torch_now=${torch_now%%+*}
 pip install -q -r requirements.txt "torch==$torch_now"
 pip install -q --no-deps -e .
 "$VENV/bin/python" -c 'import torch, model, utils; print(f"setup_env: torch {torch.__version__}, CUDA available: {torch.cuda.is_available()}")'

@@ -20,6 +20,7 @@ FAKE_PYTHON = r"""#!/bin/bash
 state=$(dirname "$0")/../state
 if [ "$1" = -m ] && [ "$2" = pip ]; then
     echo "${*:3}" >> "$state/pip.log"
+    [[ "$*" == *"-r requirements.txt"* ]] && touch "$state/numpy"
     [[ "$*" == *"uninstall -y -q torch"* ]] && rm "$state/torch"
     if [[ "$*" == *"install torch=="* ]]; then  # the torch line, not requirements.txt's
         build=cu130; [[ "$*" == *whl/cu126* ]] && build=cu126
@@ -31,8 +32,12 @@ if [ "$1" = -m ] && [ "$2" = pip ]; then
 fi
 [ -f "$state/torch" ] || exit 1  # no torch installed: the import fails
 read -r version cuda usable < "$state/torch"
+if [[ "${*: -1}" == *"import torch"* ]] && [ ! -f "$state/numpy" ]; then
+    echo "UserWarning: Failed to initialize NumPy: No module named 'numpy'" >&2  # as torch does
+fi
 case "${*: -1}" in
     *split*) echo "${version%%+*}" ;;
+    *importlib.metadata*) echo "$version" ;;
     *"is_available(), torch.version.cuda"*) echo "$usable $cuda" ;;
     *"model, utils"*) echo "setup_env: torch $version, CUDA available: $usable" ;;
     *) echo "$version" ;;
@@ -128,3 +133,11 @@ def test_the_cuda_build_replaces_the_cpu_build_of_an_earlier_run_on_the_login_no
     assert pip_calls(tmp_path)[:2] == ["--disable-pip-version-check uninstall -y -q torch",
                                        "--disable-pip-version-check install torch==2.13.0"]
     assert "setup_env: torch 2.13.0+cu130, CUDA available: True" in done.stdout
+
+
+def test_a_fresh_setup_never_imports_torch_before_numpy_is_there(tmp_path):
+    """torch imported before requirements.txt (which brings NumPy) prints "Failed to
+    initialize NumPy" into the first thing a participant sees."""
+    proc = setup_on_a_gpu_node(tmp_path, "13.0", TORCH_VARIANT="cuda")
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to initialize NumPy" not in proc.stdout + proc.stderr
