@@ -176,8 +176,9 @@ HINTS = {
         "from the training loader (keep drop_last=True)."),
     5: ("DDP keeps the copies of the model on all ranks identical: it averages their gradients "
         "during backward(). The training loop must run the wrapped model.",
-        "model = DDP(model, device_ids=...): device_ids is [local_rank] on a GPU and None on the "
-        "CPU. Wrap before the optimizer is made (it then holds the same parameters)."),
+        "DDP (DistributedDataParallel) takes the model and device_ids, the list of this "
+        "process's GPU ([local_rank]) on a GPU and None on the CPU; the rest of the script then "
+        "uses the wrapped model. Wrap before the optimizer is made."),
     6: ("DistributedSampler shuffles with a seed plus the epoch number: without the epoch "
         "number every epoch gets the first epoch's order.",
         "Call set_epoch(epoch) on the training sampler at the start of every epoch."),
