@@ -75,6 +75,14 @@ function measureFigure(src) {
   const lines = [...svg.querySelectorAll('line')].map(l => [l.x1, l.y1, l.x2, l.y2]
     .map(a => a.baseVal.value));
   const problems = [];
+  // a shape past the canvas is cut off where the image ends (half its stroke lies outside)
+  svg.querySelectorAll('rect, line').forEach(el => {
+    const b = el.getBBox(), half = (parseFloat(el.getAttribute('stroke-width')) || 0) / 2;
+    const outer = {x: b.x - half, y: b.y - half, width: b.width + 2 * half,
+                   height: b.height + 2 * half};
+    if (!inside(outer, canvas, FIT_TOLERANCE))
+      problems.push(`a ${el.tagName} at (${round(b.x)}, ${round(b.y)}) runs off the canvas`);
+  });
   let smallest = null;
   texts.forEach((t, i) => {
     if (!t.el.textContent.trim()) return;
@@ -87,9 +95,10 @@ function measureFigure(src) {
     const around = rects.filter(r => t.x >= r.x && t.x <= r.x + r.width &&
                                      t.y >= r.y && t.y <= r.y + r.height);
     around.sort((a, b) => a.width * a.height - b.width * b.height);
-    if (around.length && !inside(box, around[0], FIT_TOLERANCE))
+    const own = around[0];
+    if (own && !inside(box, own, FIT_TOLERANCE))
       problems.push(`${label(t.el)} does not fit its box (${round(box.width)} x ` +
-                    `${round(box.height)} in ${round(around[0].width)} x ${round(around[0].height)})`);
+                    `${round(box.height)} in ${round(own.width)} x ${round(own.height)})`);
     else if (rects.some(r => intersects(box, r, FIT_TOLERANCE) && !inside(box, r, FIT_TOLERANCE)))
       problems.push(`${label(t.el)} crosses the border of a box`);
     texts.slice(i + 1).forEach(o => {

@@ -23,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+from distributed import run_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 SLIDES = ROOT / "slides"
 FIGURES = SLIDES / "figures"
@@ -48,6 +51,41 @@ def test_every_committed_figure_is_what_tools_figures_py_draws_from_the_code_now
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
+
+
+def _call_collectives(rank, world_size, collectives):
+    """Each collective of the figure, called by the name the figure gives it, on this rank's
+    input; what this rank holds afterwards."""
+    import torch
+    import torch.distributed as dist
+    held = {}
+    for name, call, inputs in collectives:
+        t = torch.tensor(inputs[rank])
+        if call.startswith("broadcast("):
+            dist.broadcast(t, src=0)
+        elif call.startswith("all_reduce("):
+            dist.all_reduce(t)
+        elif call == "all_gather_into_tensor":
+            out = torch.empty(t.numel() * world_size, dtype=t.dtype)
+            dist.all_gather_into_tensor(out, t)
+            t = out
+        elif call == "reduce_scatter_tensor":
+            out = torch.empty(t.numel() // world_size, dtype=t.dtype)
+            dist.reduce_scatter_tensor(out, t)
+            t = out
+        else:
+            raise ValueError(f"the figure names a call this test does not know: {call}")
+        held[name] = t.tolist()
+    return held
+
+
+def test_the_collectives_figure_shows_what_torch_distributed_computes():
+    figures = load_script("tools/figures.py")
+    world = len(figures.COLLECTIVES[0][2])
+    held = run_distributed(_call_collectives, world, figures.COLLECTIVES, timeout=120)
+    for name, _, inputs in figures.COLLECTIVES:
+        assert [held[r][name] for r in range(world)] == \
+            figures.reference_collective(name, inputs), name
 
 
 def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
@@ -254,12 +292,18 @@ def test_no_rendered_bullet_has_a_hard_line_break(rendered):
 
 
 def test_diagram_text_stays_readable(rendered):
-    small = [f"slides/{deck.name} slide {s['slide']}: {f['src']} shows its smallest text "
-             f"({f['min_font_text']!r}, font-size {f['min_font']} of {f['width']:g} wide) at "
-             f"{f['min_px']} px (larger fonts in tools/figures.py, or show the figure larger)"
-             if "error" not in f else f"slides/{deck.name} slide {s['slide']}: {f['error']}"
-             for deck in decks() for s in rendered[deck.name] for f in s["figures"]
-             if "error" in f or f["min_px"] is not None and f["min_px"] < MIN_DIAGRAM_PX]
+    small = []
+    for deck in decks():
+        for s in rendered[deck.name]:
+            for f in s["figures"]:
+                where = f"slides/{deck.name} slide {s['slide']}: {f['src']}"
+                if "error" in f:
+                    small.append(f"{where}: {f['error']}")
+                elif f.get("min_px") is not None and f["min_px"] < MIN_DIAGRAM_PX:
+                    small.append(f"{where} shows its smallest text ({f['min_font_text']!r}, "
+                                 f"font-size {f['min_font']} of {f['width']:g} wide) at "
+                                 f"{f['min_px']} px (larger fonts in tools/figures.py, or show "
+                                 "the figure larger)")
     assert not small, "\n".join(small)
 
 
@@ -270,7 +314,8 @@ def test_diagram_labels_fit_their_boxes_and_overlap_nothing(rendered):
     assert not problems, "\n".join(problems)
 
 
-BAD_FIGURE = """<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 640 360" width="640" height="360">
+BAD_FIGURE = """<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 640 360" width="640"
+height="360">
 <rect width="640" height="360" fill="white"/>
 <rect x="150" y="20" width="100" height="40" fill="white" stroke="black"/>
 <text x="200" y="45" font-size="20" text-anchor="middle">far too long for its box</text>
@@ -282,6 +327,7 @@ BAD_FIGURE = """<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 640 360" wi
 <text x="480" y="100" font-size="24">crossed</text>
 <rect x="20" y="300" width="100" height="40" fill="white" stroke="black"/>
 <text x="10" y="330" font-size="20">straddles</text>
+<rect x="560" y="20" width="81" height="40" fill="white" stroke="black" stroke-width="2"/>
 </svg>
 """
 
@@ -298,7 +344,7 @@ def test_the_diagram_measurement_finds_small_cramped_and_overlapping_labels(tool
     assert large["min_px"] == 18.0 and small["min_px"] == 6.0  # 12 x 960 / 640; 12 x 180 / 360
     expected = ['"far too long for its box" does not fit its box', '"one" overlaps "two"',
                 '"off the edge" runs off the canvas', 'a line or arrow crosses "crossed"',
-                '"straddles" crosses the border of a box']
+                '"straddles" crosses the border of a box', "a rect at (560, 20) runs off"]
     assert len(large["problems"]) == len(expected), large["problems"]
     for problem, words in zip(sorted(large["problems"]), sorted(expected), strict=True):
         assert problem.startswith(words), large["problems"]
