@@ -1,4 +1,5 @@
-"""The slides: every deck renders, no slide runs past its page, the diagrams are what
+"""The slides: every deck renders, no slide runs past its page, code and diagram labels are
+large enough to read, no label runs out of its box or over another, the diagrams are what
 tools/figures.py draws from the code now, and no bullet has a hard line break.
 
 The rendering test uses marp-cli (pinned, installed with npm into a cache folder outside the
@@ -22,6 +23,9 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+from distributed import run_distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 SLIDES = ROOT / "slides"
 FIGURES = SLIDES / "figures"
@@ -32,6 +36,8 @@ IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 # Code is readable from the back of a room down to this size on a 1280 x 720 slide (marp
 # shrinks a wide code block until it fits: a long line makes all of the block small).
 MIN_CODE_PX = 18.0
+# A diagram's labels, as shown on the slide (the SVG's font size x displayed width / SVG width).
+MIN_DIAGRAM_PX = 16.0
 FIGURE_REF = re.compile(r"\]\((figures/[^)\s]+)\)|(?:src|href)=\"(figures/[^\"]+)\"")
 
 
@@ -45,6 +51,41 @@ def test_every_committed_figure_is_what_tools_figures_py_draws_from_the_code_now
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr
+
+
+def _call_collectives(rank, world_size, collectives):
+    """Each collective of the figure, called by the name the figure gives it, on this rank's
+    input; what this rank holds afterwards."""
+    import torch
+    import torch.distributed as dist
+    held = {}
+    for name, call, inputs in collectives:
+        t = torch.tensor(inputs[rank])
+        if call.startswith("broadcast("):
+            dist.broadcast(t, src=0)
+        elif call.startswith("all_reduce("):
+            dist.all_reduce(t)
+        elif call == "all_gather_into_tensor":
+            out = torch.empty(t.numel() * world_size, dtype=t.dtype)
+            dist.all_gather_into_tensor(out, t)
+            t = out
+        elif call == "reduce_scatter_tensor":
+            out = torch.empty(t.numel() // world_size, dtype=t.dtype)
+            dist.reduce_scatter_tensor(out, t)
+            t = out
+        else:
+            raise ValueError(f"the figure names a call this test does not know: {call}")
+        held[name] = t.tolist()
+    return held
+
+
+def test_the_collectives_figure_shows_what_torch_distributed_computes():
+    figures = load_script("tools/figures.py")
+    world = len(figures.COLLECTIVES[0][2])
+    held = run_distributed(_call_collectives, world, figures.COLLECTIVES, timeout=120)
+    for name, _, inputs in figures.COLLECTIVES:
+        assert [held[r][name] for r in range(world)] == \
+            figures.reference_collective(name, inputs), name
 
 
 def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
@@ -162,27 +203,26 @@ def tools() -> tuple[Path, str]:
     return marp, chromium
 
 
-@pytest.fixture(scope="session")
-def rendered(tools, tmp_path_factory) -> dict[str, list[dict]]:
-    """Every deck rendered to HTML by marp-cli and measured in headless Chromium:
-    {deck name: [one dict per slide]} (see tests/slides_measure.js)."""
-    marp, chromium = tools
-    out = tmp_path_factory.mktemp("slides")
+def render_and_measure(marp: Path, chromium: str, slides: Path, out: Path) -> dict:
+    """Every deck in `slides` rendered to HTML by marp-cli and measured in headless Chromium:
+    {deck name: [one dict per slide]} (see tests/slides_measure.js), and {deck name + ":html":
+    marp's HTML}."""
     proc = subprocess.run([str(marp), "--no-stdin", "--html", "--template", "bare",
-                           "--input-dir", str(SLIDES), "--output", str(out)],
+                           "--input-dir", str(slides), "--output", str(out)],
                           capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    (out / "figures").symlink_to(FIGURES)  # the decks refer to figures/... relatively
+    (out / "figures").symlink_to(slides / "figures")  # the decks refer to figures/... relatively
     script = (Path(__file__).parent / "slides_measure.js").read_text()
     reports = {}
-    for deck in decks():
+    for deck in sorted(slides.glob("*.md")):
         page = out / f"{deck.stem}.html"
         text = page.read_text()
         reports[deck.name + ":html"] = text
         measured = out / f"{deck.stem}.measured.html"
         # marp's own script only resizes wide code blocks, late: slides_measure.js does it at once
         text = re.sub(r"<script>.*?</script>", "", text, flags=re.S)
-        measured.write_text(text.replace("</body>", f"<script>{script}</script></body>"))
+        measured.write_text(text.replace("</body>", inline_figures(text, slides)
+                                         + f"<script>{script}</script></body>"))
         proc = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
                                "--hide-scrollbars", "--dump-dom",
                                measured.as_uri()],
@@ -191,6 +231,25 @@ def rendered(tools, tmp_path_factory) -> dict[str, list[dict]]:
         assert found, f"{deck.name}: Chromium returned no measurement: {proc.stderr[-2000:]}"
         reports[deck.name] = json.loads(html.unescape(found.group(1)))
     return reports
+
+
+def inline_figures(page: str, slides: Path) -> str:
+    """A hidden copy of every SVG the page shows, inline, so that slides_measure.js can measure
+    its text as Chromium lays it out (an <img>'s SVG document is out of the page's reach)."""
+    copies = []
+    for src in sorted(set(re.findall(r'<img[^>]*\bsrc="(figures/[^"]+\.svg)"', page))):
+        if (slides / src).is_file():
+            svg = re.sub(r"<\?xml[^>]*\?>", "", (slides / src).read_text())
+            copies.append(f'<div data-figure="{html.escape(src)}">{svg}</div>')
+    return ('<div id="figure-copies" style="position:absolute; left:0; top:0; '
+            f'visibility:hidden">{"".join(copies)}</div>')
+
+
+@pytest.fixture(scope="session")
+def rendered(tools, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every deck of slides/, rendered and measured (see render_and_measure)."""
+    marp, chromium = tools
+    return render_and_measure(marp, chromium, SLIDES, tmp_path_factory.mktemp("slides"))
 
 
 def test_every_deck_renders_every_slide(rendered):
@@ -230,3 +289,62 @@ def test_no_rendered_bullet_has_a_hard_line_break(rendered):
         items = re.findall(r"<li>(.*?)</li>", rendered[deck.name + ":html"], re.S)
         broken = [re.sub(r"<[^>]+>", "", i)[:60] for i in items if "<br" in i]
         assert not broken, f"slides/{deck.name}: line breaks inside bullets: {broken}"
+
+
+def test_diagram_text_stays_readable(rendered):
+    small = []
+    for deck in decks():
+        for s in rendered[deck.name]:
+            for f in s["figures"]:
+                where = f"slides/{deck.name} slide {s['slide']}: {f['src']}"
+                if "error" in f:
+                    small.append(f"{where}: {f['error']}")
+                elif f.get("min_px") is not None and f["min_px"] < MIN_DIAGRAM_PX:
+                    small.append(f"{where} shows its smallest text ({f['min_font_text']!r}, "
+                                 f"font-size {f['min_font']} of {f['width']:g} wide) at "
+                                 f"{f['min_px']} px (larger fonts in tools/figures.py, or show "
+                                 "the figure larger)")
+    assert not small, "\n".join(small)
+
+
+def test_diagram_labels_fit_their_boxes_and_overlap_nothing(rendered):
+    problems = [f"slides/{deck.name} slide {s['slide']}: {f['src']}: {problem}"
+                for deck in decks() for s in rendered[deck.name] for f in s["figures"]
+                for problem in f.get("problems", [])]
+    assert not problems, "\n".join(problems)
+
+
+BAD_FIGURE = """<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 640 360" width="640"
+height="360">
+<rect width="640" height="360" fill="white"/>
+<rect x="150" y="20" width="100" height="40" fill="white" stroke="black"/>
+<text x="200" y="45" font-size="20" text-anchor="middle">far too long for its box</text>
+<text x="300" y="100" font-size="12">small</text>
+<text x="300" y="200" font-size="24">one</text>
+<text x="310" y="205" font-size="24">two</text>
+<text x="630" y="300" font-size="24">off the edge</text>
+<line x1="500" y1="0" x2="500" y2="150" stroke="black"/>
+<text x="480" y="100" font-size="24">crossed</text>
+<rect x="20" y="300" width="100" height="40" fill="white" stroke="black"/>
+<text x="10" y="330" font-size="20">straddles</text>
+<rect x="560" y="20" width="81" height="40" fill="white" stroke="black" stroke-width="2"/>
+</svg>
+"""
+
+
+def test_the_diagram_measurement_finds_small_cramped_and_overlapping_labels(tools, tmp_path):
+    slides = tmp_path / "slides"
+    (slides / "figures").mkdir(parents=True)
+    (slides / "figures" / "bad.svg").write_text(BAD_FIGURE)
+    (slides / "deck.md").write_text("---\nmarp: true\n---\n\n![w:960](figures/bad.svg)\n\n"
+                                    "---\n\n![h:180](figures/bad.svg)\n")
+    report = render_and_measure(*tools, slides, tmp_path / "out")["deck.md"]
+    large, small = (s["figures"][0] for s in report)
+    assert (large["min_font"], large["min_font_text"]) == (12, "small")
+    assert large["min_px"] == 18.0 and small["min_px"] == 6.0  # 12 x 960 / 640; 12 x 180 / 360
+    expected = ['"far too long for its box" does not fit its box', '"one" overlaps "two"',
+                '"off the edge" runs off the canvas', 'a line or arrow crosses "crossed"',
+                '"straddles" crosses the border of a box', "a rect at (560, 20) runs off"]
+    assert len(large["problems"]) == len(expected), large["problems"]
+    for problem, words in zip(sorted(large["problems"]), sorted(expected), strict=True):
+        assert problem.startswith(words), large["problems"]

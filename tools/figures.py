@@ -17,6 +17,12 @@ figure and the code never disagree:
 
 No plotting library: the SVG text is written by hand, with fixed rounding, so the output is
 byte-for-byte reproducible and a test can compare it with the committed files.
+
+Every figure is drawn at the size a slide shows it: 1120 units wide, the width of a slide's
+content (1280 px less marp's padding), shown with `![w:1120](figures/NAME.svg)`, and at most
+460 high under a slide's title (less with text below it). So a font-size here is the size in px
+on the slide, and none is below 16 (tests/test_slides.py measures it as shown, and that no label
+leaves its box or overlaps another one).
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ RANK_COLOURS = ["#2563eb", "#16a34a", "#ea580c", "#9333ea", "#0891b2", "#ca8a04"
                 "#4b5563"]
 PALE = ["#dbeafe", "#dcfce7", "#ffedd5", "#f3e8ff", "#cffafe", "#fef9c3", "#fce7f3", "#f3f4f6"]
 NODES, GPUS_PER_NODE = 2, 4  # the course's cluster layout: 2 nodes x 4 GPUs
+WIDTH = 1120  # a slide's content width in px: a figure shown with ![w:1120] is drawn 1:1
+MIN_FONT = 16  # px on the slide: readable from the back of a room
 
 
 def fmt(v: float) -> str:
@@ -57,7 +65,7 @@ def fmt(v: float) -> str:
 class Svg:
     """A few shapes, written as SVG text with fixed rounding."""
 
-    def __init__(self, width: int, height: int, title: str):
+    def __init__(self, height: int, title: str, width: int = WIDTH):
         self.width, self.height, self.items = width, height, []
         self.items.append(f"<title>{escape(title)}</title>")
 
@@ -67,6 +75,8 @@ class Svg:
                           f'rx="{rx}" fill="{fill}" stroke="{stroke}" stroke-width="{width}"{extra}/>')
 
     def text(self, x, y, s, size=18, anchor="middle", fill=INK, weight="normal", mono=False):
+        if size < MIN_FONT:
+            raise ValueError(f"figures: {s!r} at font-size {size}: at least {MIN_FONT}")
         self.items.append(f'<text x="{fmt(x)}" y="{fmt(y)}" font-size="{size}" '
                           f'text-anchor="{anchor}" fill="{fill}" font-weight="{weight}" '
                           f'font-family="{MONO if mono else FONT}">{escape(str(s))}</text>')
@@ -109,59 +119,62 @@ def workshop_model(vocab_size: int = 33278) -> TransformerLM:
 def ranks() -> Svg:
     """World size, rank and local rank on 2 nodes x 4 GPUs, as torchrun numbers them."""
     world = NODES * GPUS_PER_NODE
-    s = Svg(1200, 430, "ranks on 2 nodes with 4 GPUs each")
+    s = Svg(425, "ranks on 2 nodes with 4 GPUs each")
     for node in range(NODES):
-        x0 = 30 + node * 585
-        s.rect(x0, 20, 555, 320, fill="#f9fafb", rx=12)
-        s.text(x0 + 20, 55, f"node {node}", 24, anchor="start", weight="bold")
-        s.text(x0 + 535, 55, f"GROUP_RANK={node}", 16, anchor="end", fill=GREY, mono=True)
+        x0 = node * 570
+        s.rect(x0 + 1, 1, 548, 328, fill="#f9fafb", rx=12)
+        s.text(x0 + 20, 38, f"node {node}", 24, anchor="start", weight="bold")
+        s.text(x0 + 530, 38, f"GROUP_RANK={node}", 17, anchor="end", fill=GREY, mono=True)
         for local in range(GPUS_PER_NODE):
             rank = node * GPUS_PER_NODE + local  # torchrun: group rank * nproc_per_node + local
-            x = x0 + 20 + local * 132
-            s.rect(x, 80, 118, 240, fill=PALE[rank], stroke=RANK_COLOURS[rank], width=2.5)
-            s.text(x + 59, 115, f"GPU {local}", 20, weight="bold")
-            s.text(x + 59, 165, "RANK", 15, fill=GREY, mono=True)
-            s.text(x + 59, 200, rank, 34, weight="bold", fill=RANK_COLOURS[rank])
-            s.text(x + 59, 240, "LOCAL_RANK", 15, fill=GREY, mono=True)
-            s.text(x + 59, 272, local, 26, weight="bold")
-            s.text(x + 59, 305, f"cuda:{local}", 15, mono=True)
-    s.text(600, 380, f"WORLD_SIZE = {NODES} nodes x {GPUS_PER_NODE} GPUs = {world} processes;  "
-           "RANK = GROUP_RANK x 4 + LOCAL_RANK", 22)
-    s.text(600, 415, "torchrun numbers the nodes at the rendezvous; LOCAL_RANK picks the GPU; "
-           "rank 0 prints and saves", 19, fill=GREY)
+            x = x0 + 20 + local * 130
+            s.rect(x, 58, 120, 256, fill=PALE[rank], stroke=RANK_COLOURS[rank], width=2.5)
+            s.text(x + 60, 90, f"GPU {local}", 20, weight="bold")
+            s.text(x + 60, 136, "RANK", 17, fill=GREY, mono=True)
+            s.text(x + 60, 174, rank, 36, weight="bold", fill=RANK_COLOURS[rank])
+            s.text(x + 60, 216, "LOCAL_RANK", 17, fill=GREY, mono=True)
+            s.text(x + 60, 252, local, 28, weight="bold")
+            s.text(x + 60, 294, f"cuda:{local}", 17, mono=True)
+    s.text(WIDTH / 2, 372, f"WORLD_SIZE = {NODES} nodes x {GPUS_PER_NODE} GPUs = {world} "
+           f"processes;  RANK = GROUP_RANK x {GPUS_PER_NODE} + LOCAL_RANK", 21)
+    s.text(WIDTH / 2, 410, "torchrun numbers the nodes at the rendezvous; LOCAL_RANK picks the "
+           "GPU; rank 0 prints and saves", 18, fill=GREY)
     return s
 
 
 # ------------------------------------------------------------------------------ rendezvous
 def rendezvous() -> Svg:
     """From sbatch to 8 processes in one process group."""
-    s = Svg(1200, 560, "how the processes of a job find each other")
-    s.rect(370, 15, 460, 60, fill="#f3f4f6")
-    s.text(600, 52, "sbatch job.sbatch  (batch script on node 0)", 19, mono=False)
-    s.text(600, 110, 'MASTER_ADDR = first node of $SLURM_JOB_NODELIST (its "i" name on JSC)', 18,
+    s = Svg(455, "how the processes of a job find each other")
+    mid = WIDTH / 2
+    s.rect(mid - 250, 1, 500, 48, fill="#f3f4f6")
+    s.text(mid, 32, "sbatch job.sbatch  (batch script on node 0)", 18)
+    s.text(mid, 78, 'MASTER_ADDR = first node of $SLURM_JOB_NODELIST (its "i" name on JSC)', 17,
            fill=GREY)
-    s.text(600, 135, "MASTER_PORT = 20000 + SLURM_JOB_ID % 10000", 18, fill=GREY, mono=True)
+    s.text(mid, 102, "MASTER_PORT = 20000 + SLURM_JOB_ID % 10000", 17, fill=GREY, mono=True)
+    top = 140
     for node in range(NODES):
-        x0 = 60 + node * 560
-        s.arrow(600, 145, x0 + 240, 185)
-        s.rect(x0, 190, 480, 300, fill="#f9fafb", rx=12)
-        s.text(x0 + 20, 222, f"node {node}: srun task {node}", 20, anchor="start", weight="bold")
+        x0 = 10 + node * 570
+        s.arrow(mid, 110, x0 + 265, top - 2)
+        s.rect(x0, top, 530, 240, fill="#f9fafb", rx=12)
+        s.text(x0 + 20, top + 28, f"node {node}: srun task {node}", 19, anchor="start",
+               weight="bold")
         host = "is_host=1: hosts the rendezvous" if node == 0 else "is_host=0: joins it"
-        s.rect(x0 + 20, 240, 440, 70, fill="white")
-        s.text(x0 + 240, 268, "torchrun --rdzv_backend=c10d", 17, mono=True)
-        s.text(x0 + 240, 295, host, 17, fill=GREY)
+        s.rect(x0 + 20, top + 42, 490, 62, fill="white")
+        s.text(x0 + 265, top + 66, "torchrun --rdzv_backend=c10d", 17, mono=True)
+        s.text(x0 + 265, top + 93, host, 17, fill=GREY)
         for local in range(GPUS_PER_NODE):
             rank = node * GPUS_PER_NODE + local
-            x = x0 + 20 + local * 112
-            s.arrow(x0 + 240, 310, x + 50, 370)
-            s.rect(x, 375, 100, 95, fill=PALE[rank], stroke=RANK_COLOURS[rank], width=2)
-            s.text(x + 50, 405, "train.py", 15, mono=True)
-            s.text(x + 50, 432, f"RANK {rank}", 16, weight="bold", fill=RANK_COLOURS[rank])
-            s.text(x + 50, 456, "setup()", 15, mono=True)
-    s.line(60 + 240 + 240, 275, 620 + 20, 275, stroke=RANK_COLOURS[0], width=3, dash="8 6")
-    s.text(600, 520, "node 1's torchrun joins at MASTER_ADDR:MASTER_PORT; when all nodes are "
+            x = x0 + 21 + local * 126
+            s.arrow(x0 + 265, top + 104, x + 55, top + 138)
+            s.rect(x, top + 140, 110, 88, fill=PALE[rank], stroke=RANK_COLOURS[rank], width=2)
+            s.text(x + 55, top + 162, "train.py", 16, mono=True)
+            s.text(x + 55, top + 190, f"RANK {rank}", 17, weight="bold", fill=RANK_COLOURS[rank])
+            s.text(x + 55, top + 216, "setup()", 16, mono=True)
+    s.line(10 + 510, top + 73, 580 + 20, top + 73, stroke=RANK_COLOURS[0], width=3, dash="8 6")
+    s.text(mid, 412, "node 1's torchrun joins at MASTER_ADDR:MASTER_PORT; when all nodes are "
            "in, each process gets its RANK", 18)
-    s.text(600, 548, "setup() then calls init_process_group: NCCL on GPUs, gloo on CPUs", 18,
+    s.text(mid, 442, "setup() then calls init_process_group: NCCL on GPUs, gloo on CPUs", 18,
            fill=GREY)
     return s
 
@@ -186,66 +199,68 @@ def reference_collective(name: str, inputs: list[list[int]]) -> list[list[int]]:
 
 
 COLLECTIVES = [
-    # name, inputs per rank, where the course uses it
-    ("broadcast", [[5, 1], [0, 0], [0, 0], [0, 0]], "DDP start: rank 0's weights to all; "
-     "PP: the loss from the last stage"),
-    ("all-reduce", [[1, 2], [3, 4], [5, 6], [7, 8]], "DDP gradients; losses and token counts "
-     "(all_reduce_sum); TP row-wise outputs"),
-    ("all-gather", [[1], [2], [3], [4]], "FSDP: a block's full weights before its forward "
-     "and backward"),
-    ("reduce-scatter", [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]],
-     "FSDP: each rank keeps the summed gradient of its shard"),
+    # name, the torch.distributed call, inputs per rank
+    ("broadcast", "broadcast(t, src=0)", [[5, 1], [0, 0], [0, 0], [0, 0]]),
+    ("all-reduce", "all_reduce(t)", [[1, 2], [3, 4], [5, 6], [7, 8]]),
+    ("all-gather", "all_gather_into_tensor", [[1], [2], [3], [4]]),
+    ("reduce-scatter", "reduce_scatter_tensor", [[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4],
+                                                 [1, 2, 3, 4]]),
 ]
 
 
 def collectives() -> Svg:
-    s = Svg(1200, 640, "collectives on 4 ranks")
-    for i, (name, inputs, use) in enumerate(COLLECTIVES):
+    """Before and after each collective on 4 ranks (where the course uses them: the deck's
+    next slide)."""
+    s = Svg(455, "collectives on 4 ranks")
+    before, after, pitch = 280, 732, 94  # x of each group's first rank; one rank's width
+    for x0, when in ((before, "before"), (after, "after")):
+        s.text(x0 + 2 * pitch - 5, 20, when, 18, weight="bold", fill=GREY)
+        for r in range(len(COLLECTIVES[0][2])):
+            s.text(x0 + r * pitch + 42, 48, f"rank {r}", 17, fill=RANK_COLOURS[r],
+                   weight="bold")
+    for i, (name, call, inputs) in enumerate(COLLECTIVES):
         outputs = reference_collective(name, inputs)
-        y0 = 10 + i * 157
-        s.rect(10, y0, 1180, 145, fill="#f9fafb", stroke=LIGHT, rx=10)
-        s.text(30, y0 + 32, name, 24, anchor="start", weight="bold")
-        s.text(30, y0 + 132, use, 16, anchor="start", fill=GREY)
-        for values, x0 in ((inputs, 250), (outputs, 740)):
+        y0 = 60 + i * 99
+        s.rect(1, y0, WIDTH - 2, 92, fill="#f9fafb", stroke=LIGHT, rx=10)
+        s.text(16, y0 + 38, name, 22, anchor="start", weight="bold")
+        s.text(16, y0 + 68, call, 16, anchor="start", fill=GREY, mono=True)
+        for values, x0 in ((inputs, before), (outputs, after)):
             for r, vals in enumerate(values):
-                x = x0 + r * 105
-                cells = len(vals)
-                w = 90 / max(cells, 1)
-                s.text(x + 45, y0 + 28, f"rank {r}", 14, fill=RANK_COLOURS[r])
+                w = 84 / len(vals)
                 for c, v in enumerate(vals):
-                    s.rect(x + c * w, y0 + 40, w - 3, 50, fill=PALE[r], stroke=RANK_COLOURS[r],
+                    x = x0 + r * pitch + c * w
+                    s.rect(x, y0 + 20, w - 3, 52, fill=PALE[r], stroke=RANK_COLOURS[r],
                            rx=4, width=1.5)
-                    s.text(x + c * w + (w - 3) / 2, y0 + 72, v, 18 if cells <= 2 else 15,
+                    s.text(x + (w - 3) / 2, y0 + 53, v, 20 if len(vals) <= 2 else 17,
                            weight="bold")
-        s.arrow(670, y0 + 65, 725, y0 + 65, width=3)
-        s.text(500 + 170, y0 + 112, "before", 14, fill=GREY, anchor="end")
-        s.text(740, y0 + 112, "after", 14, fill=GREY, anchor="start")
+        s.arrow(before + 4 * pitch, y0 + 46, after - 12, y0 + 46, width=3)
     return s
 
 
 # ------------------------------------------------------------------------------ DDP
 def ddp() -> Svg:
     world = 4
-    s = Svg(1200, 470, "DDP: replicas and the gradient all-reduce")
+    s = Svg(446, "DDP: replicas and the gradient all-reduce")
     for r in range(world):
-        x = 30 + r * 292
-        s.rect(x, 10, 262, 70, fill=PALE[r], stroke=RANK_COLOURS[r], width=2)
-        s.text(x + 131, 40, f"shard {r} of the batch", 18, weight="bold")
-        s.text(x + 131, 66, "from DistributedSampler", 15, fill=GREY)
-        s.arrow(x + 131, 80, x + 131, 110)
-        s.rect(x, 112, 262, 150, fill="white", stroke=RANK_COLOURS[r], width=2.5)
-        s.text(x + 131, 142, f"rank {r}: the whole model", 18, weight="bold",
-               fill=RANK_COLOURS[r])
-        s.text(x + 131, 172, "forward, loss", 16)
-        s.text(x + 131, 200, "backward: gradients", 16)
-        s.text(x + 131, 228, "of this shard only", 16, fill=GREY)
-        s.arrow(x + 131, 262, x + 131, 300)
-        s.arrow(x + 131, 350, x + 131, 385)
-        s.rect(x, 388, 262, 60, fill="#f3f4f6", stroke=RANK_COLOURS[r], width=2)
-        s.text(x + 131, 424, "optimizer.step(): same update", 16)
-    s.rect(30, 302, 1140, 46, fill="#fef3c7", stroke="#b45309", width=2)
-    s.text(600, 332, "all-reduce of the gradients, in buckets, during backward(): "
-           "every rank gets the mean of all 4", 18, weight="bold")
+        x, mid = 1 + r * 288, 1 + r * 288 + 127
+        s.rect(x, 1, 254, 64, fill=PALE[r], stroke=RANK_COLOURS[r], width=2)
+        s.text(mid, 29, f"shard {r} of the batch", 18, weight="bold")
+        s.text(mid, 54, "from DistributedSampler", 16, fill=GREY)
+        s.arrow(mid, 65, mid, 94)
+        s.rect(x, 96, 254, 150, fill="white", stroke=RANK_COLOURS[r], width=2.5)
+        s.text(mid, 126, f"rank {r}", 20, weight="bold", fill=RANK_COLOURS[r])
+        s.text(mid, 152, "the whole model", 17, fill=RANK_COLOURS[r])
+        s.text(mid, 180, "forward, loss", 17)
+        s.text(mid, 205, "backward: gradients", 17)
+        s.text(mid, 230, "of this shard only", 17, fill=GREY)
+        s.arrow(mid, 246, mid, 282)
+        s.arrow(mid, 330, mid, 362)
+        s.rect(x, 364, 254, 80, fill="#f3f4f6", stroke=RANK_COLOURS[r], width=2)
+        s.text(mid, 397, "optimizer.step()", 17, mono=True)
+        s.text(mid, 424, "the same update", 17)
+    s.rect(1, 284, WIDTH - 2, 46, fill="#fef3c7", stroke="#b45309", width=2)
+    s.text(WIDTH / 2, 313, "all-reduce of the gradients, in buckets, during backward(): "
+           f"every rank gets the mean of all {world}", 18, weight="bold")
     return s
 
 
@@ -264,51 +279,48 @@ def fsdp_units() -> list[str]:
 def fsdp() -> Svg:
     units = fsdp_units()
     world = 4
-    s = Svg(1200, 520, "FSDP: units, shards, gather before use, reduce-scatter of gradients")
-    s.text(20, 35, f"apply_fsdp: {len(units)} fully_shard calls, one FSDP unit each "
+    s = Svg(445, "FSDP: units, shards, gather before use, reduce-scatter of gradients")
+    s.text(0, 20, f"apply_fsdp: {len(units)} fully_shard calls, one FSDP unit each "
            f"(workshop preset: {', '.join(units[:2])}, ..., {units[-2]}, then {units[-1]})",
-           18, anchor="start")
+           17, anchor="start")
     # each rank holds 1/world of every unit
     shown = units[:3] + ["..."] + units[-2:]
     for r in range(world):
-        y = 60 + r * 52
-        s.text(20, y + 32, f"rank {r}", 18, anchor="start", fill=RANK_COLOURS[r], weight="bold")
+        y = 58 + r * 42
+        s.text(0, y + 22, f"rank {r}", 18, anchor="start", fill=RANK_COLOURS[r], weight="bold")
         for j, unit in enumerate(shown):
-            x = 110 + j * 180
+            x = 92 + j * 172
             if unit == "...":
-                s.text(x + 80, y + 32, "...", 20)
+                s.text(x + 76, y + 22, "...", 20)
                 continue
             for k in range(world):
-                w = 160 / world
+                w = 152 / world
                 mine = k == r
-                s.rect(x + k * w, y + 8, w - 2, 34, fill=PALE[k] if mine else "white",
+                s.rect(x + k * w, y, w - 3, 30, fill=PALE[k] if mine else "white",
                        stroke=RANK_COLOURS[k] if mine else LIGHT, rx=3, width=2 if mine else 1)
             if r == 0:
-                s.text(x + 80, y, unit.replace("layers.", "block "), 17, fill=GREY)
-    s.text(600, 290, "each rank keeps 1/4 of every unit's weights, gradients and AdamW state "
-           "(filled: its own shard)", 17, fill=GREY)
-    # one unit's life during a step
-    steps = [("all-gather", "full weights of block i", "#fef3c7"),
-             ("forward", "then free the gathered copy", "white"),
-             ("all-gather", "again, for backward", "#fef3c7"),
-             ("backward", "gradients of the full block", "white"),
-             ("reduce-scatter", "each rank: the sum for its shard", "#fef3c7"),
-             ("optimizer.step()", "on its shard only", "#f3f4f6")]
-    y = 320
-    s.text(20, y + 20, "one unit (block i) in a step, on every rank:", 18, anchor="start",
+                s.text(x + 76, y - 10, unit.replace("layers.", "block "), 17, fill=GREY)
+    s.text(WIDTH / 2, 246, f"each rank keeps 1/{world} of every unit's weights, gradients and "
+           "AdamW state (filled: its own shard)", 17, fill=GREY)
+    # one unit's life during a step: (what, two lines of detail, fill)
+    steps = [("all-gather", "full weights", "of block i", "#fef3c7"),
+             ("forward", "then free the", "gathered copy", "white"),
+             ("all-gather", "again, for", "backward", "#fef3c7"),
+             ("backward", "gradients of", "the full block", "white"),
+             ("reduce-scatter", "each rank: the", "sum of its shard", "#fef3c7"),
+             ("optimizer.step()", "on its shard", "only", "#f3f4f6")]
+    s.text(0, 284, "one unit (block i) in a step, on every rank:", 18, anchor="start",
            weight="bold")
-    for j, (what, detail, fill) in enumerate(steps):
-        x = 20 + j * 197
-        s.rect(x, y + 40, 180, 90, fill=fill)
-        s.text(x + 90, y + 75, what, 18, weight="bold")
-        s.text(x + 90, y + 103, detail.split(" ", 2)[0] + " " + detail.split(" ", 2)[1]
-               if len(detail) > 22 else detail, 16, fill=GREY)
-        if len(detail) > 22:
-            s.text(x + 90, y + 123, detail.split(" ", 2)[2], 16, fill=GREY)
+    for j, (what, detail1, detail2, fill) in enumerate(steps):
+        x = 1 + j * 190
+        s.rect(x, 300, 168, 92, fill=fill)
+        s.text(x + 84, 330, what, 17, weight="bold")
+        s.text(x + 84, 356, detail1, 16, fill=GREY)
+        s.text(x + 84, 378, detail2, 16, fill=GREY)
         if j < len(steps) - 1:
-            s.arrow(x + 180, y + 85, x + 196, y + 85)
-    s.text(600, 500, "while block i computes, block i+1 is gathered: communication hides "
-           "behind compute", 20)
+            s.arrow(x + 168, 346, x + 189, 346)
+    s.text(WIDTH / 2, 432, "while block i computes, block i+1 is gathered: communication "
+           "hides behind compute", 19)
     return s
 
 
@@ -332,35 +344,35 @@ def tp() -> Svg:
     block_plan, root_plan = tp_plan()
     cfg = get_config("workshop")
     degree = 4
-    s = Svg(1200, 640, "tensor parallelism: the plan of apply_tp in one block")
+    s = Svg(456, "tensor parallelism: the plan of apply_tp in one block")
 
     def part(y0, title, names, split_note, reduce_note):
-        s.text(20, y0 + 25, title, 22, anchor="start", weight="bold")
+        s.text(0, y0 + 20, title, 19, anchor="start", weight="bold")
         col = [n for n in names if block_plan[n] == "ColwiseParallel"]
         row = [n for n in names if block_plan[n] == "RowwiseParallel"]
         short = lambda ns: " ".join(n.split(".")[-1] for n in ns)  # noqa: E731
-        s.text(365, y0 + 60, f"{short(col)}: {block_plan[col[0]]}", 15, mono=True,
+        s.text(325, y0 + 46, f"{short(col)}: {block_plan[col[0]]}", 16, mono=True,
                weight="bold")
-        s.text(705, y0 + 60, f"{short(row)}: {block_plan[row[0]]}", 15, mono=True,
+        s.text(650, y0 + 46, f"{short(row)}: {block_plan[row[0]]}", 16, mono=True,
                weight="bold")
-        mid = y0 + 72 + 2 * 40 - 3
-        s.rect(20, mid - 60, 130, 120, fill="#f3f4f6")
-        s.text(85, mid - 5, "x", 22, weight="bold")
-        s.text(85, mid + 20, "(whole, on", 14, fill=GREY)
-        s.text(85, mid + 38, "every rank)", 14, fill=GREY)
+        mid = y0 + 56 + (3 * 32 + 28) / 2
+        s.rect(1, mid - 50, 110, 100, fill="#f3f4f6")
+        s.text(56, mid - 12, "x", 22, weight="bold")
+        s.text(56, mid + 14, "(whole, on", 16, fill=GREY)
+        s.text(56, mid + 34, "every rank)", 16, fill=GREY)
         for r in range(degree):
-            y = y0 + 72 + r * 40
-            s.arrow(150, mid, 200, y + 17, width=1.5)
-            s.rect(200, y, 330, 34, fill=PALE[r], stroke=RANK_COLOURS[r], rx=4, width=2)
-            s.text(365, y + 23, f"rank {r}: {split_note(r)}", 15)
-            s.arrow(530, y + 17, 580, y + 17, width=1.5)
-            s.rect(580, y, 250, 34, fill=PALE[r], stroke=RANK_COLOURS[r], rx=4, width=2)
-            s.text(705, y + 23, "a partial sum", 15)
-            s.arrow(830, y + 17, 880, mid, width=1.5)
-        s.rect(880, mid - 60, 300, 120, fill="#fef3c7", stroke="#b45309", width=2)
-        s.text(1030, mid - 20, "all-reduce (sum)", 18, weight="bold")
-        s.text(1030, mid + 8, reduce_note, 15)
-        s.text(1030, mid + 32, "whole output on every rank", 14, fill=GREY)
+            y = y0 + 56 + r * 32
+            s.arrow(111, mid, 150, y + 14, width=1.5)
+            s.rect(150, y, 350, 28, fill=PALE[r], stroke=RANK_COLOURS[r], rx=4, width=2)
+            s.text(325, y + 20, f"rank {r}: {split_note(r)}", 16)
+            s.arrow(500, y + 14, 540, y + 14, width=1.5)
+            s.rect(540, y, 220, 28, fill=PALE[r], stroke=RANK_COLOURS[r], rx=4, width=2)
+            s.text(650, y + 20, "a partial sum", 16)
+            s.arrow(760, y + 14, 800, mid + (r - 1.5) * 20, width=1.5)
+        s.rect(800, mid - 50, WIDTH - 801, 100, fill="#fef3c7", stroke="#b45309", width=2)
+        s.text(960, mid - 16, "all-reduce (sum)", 18, weight="bold")
+        s.text(960, mid + 10, reduce_note, 16)
+        s.text(960, mid + 34, "whole output on every rank", 16, fill=GREY)
 
     attn = [n for n in block_plan if n.startswith("attn.")]
     mlp = [n for n in block_plan if n.startswith("mlp.")]
@@ -368,13 +380,14 @@ def tp() -> Svg:
     part(0, f"attention (workshop preset: {cfg.n_heads} heads, TP {degree})", attn,
          lambda r: f"heads {r * heads}-{r * heads + heads - 1} (q, k, v)", "one per attention")
     hidden = cfg.d_ff // degree
-    part(255, f"MLP (d_ff {cfg.d_ff}, TP {degree})", mlp,
+    part(188, f"MLP (d_ff {cfg.d_ff}, TP {degree})", mlp,
          lambda r: f"hidden units {r * hidden}-{r * hidden + hidden - 1}", "one per MLP")
-    s.text(600, 555, "outside the blocks: " + ", ".join(f"{k}: {v}" for k, v in root_plan.items()),
+    s.text(WIDTH / 2, 396, "outside the blocks: " + ", ".join(f"{k}: {v}"
+                                                              for k, v in root_plan.items()),
            16, mono=True)
-    s.text(600, 590, "the vocabulary is split in the embedding and the logits; loss_parallel() "
-           "computes the loss on the pieces", 17, fill=GREY)
-    s.text(600, 622, "backward: one all-reduce per attention and one per MLP as well "
+    s.text(WIDTH / 2, 422, "the vocabulary is split in the embedding and the logits; "
+           "loss_parallel() computes the loss on the pieces", 17, fill=GREY)
+    s.text(WIDTH / 2, 448, "backward: one all-reduce per attention and one per MLP as well "
            "(for the gradient of x)", 17, fill=GREY)
     return s
 
@@ -383,28 +396,29 @@ def mesh() -> Svg:
     """The (dp, tp) mesh of the TP step on 2 nodes x 4 GPUs: init_device_mesh's layout."""
     world, degree = NODES * GPUS_PER_NODE, GPUS_PER_NODE
     layout = torch.arange(world).reshape(world // degree, degree)  # what init_device_mesh uses
-    s = Svg(1200, 330, "the 2-D mesh (dp, tp)")
+    s = Svg(296, "the 2-D mesh (dp, tp)")
     for dp in range(layout.shape[0]):
-        y = 20 + dp * 130
-        s.rect(20, y, 910, 110, fill="#f9fafb", rx=12)
-        s.text(40, y + 48, f"node {dp}", 20, anchor="start", weight="bold")
-        s.text(40, y + 76, f"dp index {dp}", 16, anchor="start", fill=GREY)
+        y = 1 + dp * 130
+        s.rect(1, y, 840, 110, fill="#f9fafb", rx=12)
+        s.text(18, y + 48, f"node {dp}", 20, anchor="start", weight="bold")
+        s.text(18, y + 76, f"dp index {dp}", 17, anchor="start", fill=GREY)
         for tp_idx in range(degree):
             rank = int(layout[dp, tp_idx])
-            x = 190 + tp_idx * 182
-            s.rect(x, y + 29, 170, 52, fill=PALE[tp_idx], stroke=RANK_COLOURS[tp_idx], width=2)
-            s.text(x + 85, y + 61, f"rank {rank}: tp {tp_idx}", 17)
+            x = 160 + tp_idx * 170
+            s.rect(x, y + 29, 156, 52, fill=PALE[tp_idx], stroke=RANK_COLOURS[tp_idx], width=2)
+            s.text(x + 78, y + 61, f"rank {rank}: tp {tp_idx}", 17)
     for tp_idx in range(degree):
-        x = 190 + tp_idx * 182 + 85
-        s.line(x, 20 + 81, x, 150 + 29, stroke="#b45309", width=3, dash="6 5")
-    s.text(1065, 60, "a row: one TP group", 18, weight="bold")
-    s.text(1065, 88, "shares every layer,", 16, fill=GREY)
-    s.text(1065, 110, "computes on one batch", 16, fill=GREY)
-    s.text(1065, 170, "a column: a dp group", 18, weight="bold", fill="#b45309")
-    s.text(1065, 198, "the same TP slice, FSDP-", 16, fill=GREY)
-    s.text(1065, 220, "sharded; different batches", 16, fill=GREY)
-    s.text(600, 300, 'init_device_mesh(device.type, (world_size // tp, tp), '
-           'mesh_dim_names=("dp", "tp"))', 18, mono=True)
+        x = 160 + tp_idx * 170 + 78
+        s.line(x, 1 + 81, x, 131 + 29, stroke="#b45309", width=3, dash="6 5")
+    s.text(985, 36, "a row: one TP group", 18, weight="bold")
+    s.text(985, 62, "shares every layer,", 17, fill=GREY)
+    s.text(985, 86, "computes on one batch", 17, fill=GREY)
+    s.text(985, 150, "a column: a dp group", 18, weight="bold", fill="#b45309")
+    s.text(985, 176, "the same TP slice,", 17, fill=GREY)
+    s.text(985, 200, "FSDP-sharded,", 17, fill=GREY)
+    s.text(985, 224, "different batches", 17, fill=GREY)
+    s.text(WIDTH / 2, 284, 'init_device_mesh(device.type, (world_size // tp, tp), '
+           'mesh_dim_names=("dp", "tp"))', 17, mono=True)
     return s
 
 
@@ -412,7 +426,7 @@ def mesh() -> Svg:
 def pp_stages() -> Svg:
     pp = load_solution("pp_training")
     stages = 4
-    s = Svg(1200, 200, "pipeline stages made by split_pipeline_stage")
+    s = Svg(130, "pipeline stages made by split_pipeline_stage")
     for i in range(stages):
         model = pp.split_pipeline_stage(workshop_model(), i, stages)
         parts = []
@@ -421,14 +435,14 @@ def pp_stages() -> Svg:
         parts.append("blocks " + ", ".join(model.layers))
         if model.output is not None:
             parts.append("norm, output")
-        x = 10 + i * 300
-        s.rect(x, 10, 260, 180, fill=PALE[i], stroke=RANK_COLOURS[i], width=2.5)
-        s.text(x + 130, 50, f"stage {i} = rank {i}", 23, weight="bold", fill=RANK_COLOURS[i])
+        x = 2 + i * 290
+        s.rect(x, 2, 246, 126, fill=PALE[i], stroke=RANK_COLOURS[i], width=2.5)
+        s.text(x + 123, 34, f"stage {i} = rank {i}", 20, weight="bold", fill=RANK_COLOURS[i])
         for j, p in enumerate(parts):
-            s.text(x + 130, 95 + j * 36, p, 20, mono=True)
+            s.text(x + 123, 72 + j * 30, p, 17, mono=True)
         if i < stages - 1:
-            s.arrow(x + 262, 80, x + 298, 80, width=3)
-            s.arrow(x + 298, 130, x + 262, 130, stroke=GREY, width=3)
+            s.arrow(x + 248, 50, x + 288, 50, width=3)
+            s.arrow(x + 288, 92, x + 248, 92, stroke=GREY, width=3)
     return s
 
 
@@ -489,39 +503,46 @@ def pp_schedule() -> Svg:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
     stages, microbatches = 4, 8
-    unit = 32
-    s = Svg(1200, 560, "GPipe and 1F1B, 4 stages x 8 microbatches")
+    s = Svg(452, f"GPipe and 1F1B, {stages} stages x {microbatches} microbatches")
+    totals, idles = [], []
     for k, (name, cls) in enumerate((("GPipe (ScheduleGPipe)", ScheduleGPipe),
                                      ("1F1B (Schedule1F1B)", Schedule1F1B))):
         timeline = simulate(schedule_order(cls, stages, microbatches))
         total = max(end for rank in timeline for *_, end in rank)
         busy = sum(end - start for rank in timeline for *_, start, end in rank)
         idle = 1 - busy / (total * stages)
+        totals.append(total)
+        idles.append(idle)
+        unit = (WIDTH - 80) / total
         # activations alive at once on stage 0: forwards started minus backwards finished
         alive, peak = 0, 0
         for kind, *_ in timeline[0]:
             alive += 1 if kind == "F" else -1
             peak = max(peak, alive)
-        y0 = 20 + k * 255
-        s.text(20, y0 + 20, name, 21, anchor="start", weight="bold")
-        s.text(1180, y0 + 20, f"idle {idle:.0%} of every stage's step; stage 0 holds up to "
+        y0 = k * 200
+        s.text(0, y0 + 20, name, 19, anchor="start", weight="bold")
+        s.text(WIDTH, y0 + 20, f"idle {idle:.0%} of every stage's step; stage 0 holds up to "
                f"{peak} microbatches' activations", 17, anchor="end", fill=GREY)
         for r, actions in enumerate(timeline):
-            y = y0 + 35 + r * 42
-            s.text(20, y + 26, f"stage {r}", 16, anchor="start")
-            s.rect(100, y, total * unit, 36, fill="#f9fafb", stroke=LIGHT, rx=2, width=1)
+            y = y0 + 32 + r * 40
+            s.text(0, y + 23, f"stage {r}", 17, anchor="start")
+            s.rect(80, y, total * unit, 34, fill="#f9fafb", stroke=LIGHT, rx=2, width=1)
             for kind, mb, start, end in actions:
-                x = 100 + start * unit
+                x = 80 + start * unit
                 fill = PALE[mb] if kind == "F" else RANK_COLOURS[mb]
-                s.rect(x, y, (end - start) * unit, 36, fill=fill, stroke=RANK_COLOURS[mb],
+                s.rect(x, y, (end - start) * unit, 34, fill=fill, stroke=RANK_COLOURS[mb],
                        rx=3, width=1.5)
-                s.text(x + (end - start) * unit / 2, y + 24, f"{kind}{mb}", 14,
+                s.text(x + (end - start) * unit / 2, y + 23, f"{kind}{mb}", 16,
                        fill=INK if kind == "F" else "white", weight="bold")
-        s.text(100, y0 + 225, f"time: forward 1 unit, backward 2 units; a step takes {total} "
-               "units", 15, anchor="start", fill=GREY)
+    steps = (f"a step takes {totals[0]} units in both" if totals[0] == totals[1] else
+             f"a step takes {totals[0]} and {totals[1]} units")
+    s.text(WIDTH / 2, 414, f"time: forward 1 unit, backward 2 units; {steps}", 17, fill=GREY)
     theory = pipeline_bubble_fraction(stages, microbatches)
-    s.text(600, 545, f"bubble (p-1)/(m+p-1) = 3/11 = {theory:.0%} for both; 1F1B starts "
-           "backwards early and frees activations sooner", 18)
+    measured = ("as drawn for both" if all(f"{i:.0%}" == f"{theory:.0%}" for i in idles)
+                else "in theory")
+    s.text(WIDTH / 2, 442, f"bubble (p-1)/(m+p-1) = {stages - 1}/{microbatches + stages - 1} = "
+           f"{theory:.0%}, {measured}; 1F1B starts backwards early and frees activations sooner",
+           18)
     return s
 
 
@@ -529,88 +550,85 @@ def pp_schedule() -> Svg:
 def sampler() -> Svg:
     """Which sample each rank reads: the real samplers, called here."""
     n_train, n_eval, world = 10, 10, 4
-    s = Svg(1200, 520, "DistributedSampler and DistributedEvalSampler, 10 samples on 4 ranks")
+    s = Svg(388, f"DistributedSampler and DistributedEvalSampler, {n_train} samples on "
+            f"{world} ranks")
     dataset = list(range(n_train))
-    s.text(10, 30, "DistributedSampler(..., shuffle=True, seed=0, drop_last=True)", 22,
+    s.text(0, 22, "DistributedSampler(..., shuffle=True, seed=0, drop_last=True)", 20,
            anchor="start", mono=True, weight="bold")
+    x_rank = [190 + r * 232 for r in range(world)]
+    for r, x in enumerate(x_rank):  # one heading per column: the rows below line up with it
+        s.text(x, 54, f"rank {r}", 18, anchor="start", fill=RANK_COLOURS[r], weight="bold")
 
     def cells(x, y, idx, r, pad_from=None):
         for j, i in enumerate(idx):
             pad = pad_from is not None and i >= pad_from
-            s.rect(x + j * 72, y, 64, 52, fill="white" if pad else PALE[r],
+            s.rect(x + j * 64, y, 56, 46, fill="white" if pad else PALE[r],
                    stroke=GREY if pad else RANK_COLOURS[r], rx=5, width=2.5,
                    dash="6 4" if pad else None)
-            s.text(x + j * 72 + 32, y + 35, "pad" if pad else i, 19 if pad else 25,
+            s.text(x + j * 64 + 28, y + 31, "pad" if pad else i, 17 if pad else 22,
                    weight="bold", fill=GREY if pad else INK)
 
     for e, epoch in enumerate((0, 1)):
-        y0 = 45 + e * 125
-        s.text(10, y0 + 52, f"set_epoch({epoch})", 20, anchor="start", mono=True)
+        y0 = 64 + e * 84
+        s.text(0, y0 + 29, f"set_epoch({epoch})", 18, anchor="start", mono=True)
         for r in range(world):
             sampler = DistributedSampler(dataset, num_replicas=world, rank=r, shuffle=True,
                                          seed=0, drop_last=True)
             sampler.set_epoch(epoch)
-            idx = list(sampler)
-            x = 215 + r * 250
-            s.text(x + len(idx) * 36 - 4, y0 + 20, f"rank {r}", 20, fill=RANK_COLOURS[r],
-                   weight="bold")
-            cells(x, y0 + 28, idx, r)
+            cells(x_rank[r], y0, list(sampler), r)
         used = {i for r in range(world) for i in DistributedSampler(
             dataset, num_replicas=world, rank=r, shuffle=True, seed=0, drop_last=True)}
         dropped = ", ".join(str(i) for i in sorted(set(dataset) - used))
-        s.text(215, y0 + 108, f"disjoint, equal shards; left out this epoch: {dropped}"
-               if epoch == 0 else "a new order every epoch, the same on every rank", 20,
+        s.text(x_rank[0], y0 + 70, f"disjoint, equal shards; left out this epoch: {dropped}"
+               if epoch == 0 else "a new order every epoch, the same on every rank", 18,
                anchor="start", fill=GREY)
-    y0 = 330
-    s.text(10, y0, "DistributedEvalSampler(ds, num_replicas=4, rank=r)", 22, anchor="start",
-           mono=True, weight="bold")
+    s.text(0, 258, f"DistributedEvalSampler(ds, num_replicas={world}, rank=r)", 20,
+           anchor="start", mono=True, weight="bold")
     ds = list(range(n_eval))
     for r in range(world):
-        idx = list(DistributedEvalSampler(ds, num_replicas=world, rank=r))
-        x = 215 + r * 250
-        s.text(x + len(idx) * 36 - 4, y0 + 40, f"rank {r}", 20, fill=RANK_COLOURS[r],
-               weight="bold")
-        cells(x, y0 + 48, idx, r, pad_from=n_eval)
-    s.text(10, y0 + 82, "evaluation", 20, anchor="start")
-    s.text(600, y0 + 140, "every sample exactly once; a padding sample's targets are ignored: "
-           "it counts nowhere", 20, fill=GREY)
-    s.text(600, y0 + 172, "and every rank runs the same number of batches", 20, fill=GREY)
+        cells(x_rank[r], 272, list(DistributedEvalSampler(ds, num_replicas=world, rank=r)), r,
+              pad_from=n_eval)
+    s.text(0, 301, "evaluation", 18, anchor="start")
+    s.text(WIDTH / 2, 350, "every sample exactly once; a padding sample's targets are ignored: "
+           "it counts nowhere", 18, fill=GREY)
+    s.text(WIDTH / 2, 378, "and every rank runs the same number of batches", 18, fill=GREY)
     return s
 
 
 def storage() -> Svg:
-    s = Svg(1200, 420, "where the course's data lives on a cluster")
-    s.rect(20, 30, 330, 160, fill="#f3f4f6")
-    s.text(185, 65, "login node (internet)", 20, weight="bold")
-    s.text(185, 105, "python prepare_data.py", 17, mono=True)
-    s.text(185, 135, "downloads WikiText-2 once,", 16, fill=GREY)
-    s.text(185, 160, "tokenises it into one file", 16, fill=GREY)
-    s.arrow(350, 110, 440, 110)
-    s.rect(440, 20, 340, 380, fill="#fef9c3", stroke="#ca8a04", width=2)
-    s.text(610, 55, "project / scratch file system", 19, weight="bold")
-    s.text(610, 80, "(parallel, seen by every node)", 16, fill=GREY)
+    s = Svg(440, "where the course's data lives on a cluster")
+    s.rect(1, 10, 310, 170, fill="#f3f4f6")
+    s.text(156, 46, "login node (internet)", 20, weight="bold")
+    s.text(156, 86, "python prepare_data.py", 17, mono=True)
+    s.text(156, 120, "downloads WikiText-2 once,", 17, fill=GREY)
+    s.text(156, 146, "tokenises it into one file", 17, fill=GREY)
+    s.arrow(311, 95, 378, 95)
+    s.rect(380, 1, 360, 438, fill="#fef9c3", stroke="#ca8a04", width=2)
+    s.text(560, 36, "project / scratch file system", 19, weight="bold")
+    s.text(560, 62, "(parallel, seen by every node)", 17, fill=GREY)
     for j, (name, note) in enumerate((("data_cache/", "$COURSE_DATA_CACHE: one .pt file"),
                                       ("runs/<job>-<id>/", "OUT_DIR: logs, summary.json"),
                                       ("  checkpoints/last/", "DCP: one file per rank"),
                                       (".venv/", "VENV: the Python environment"))):
-        y = 110 + j * 70
-        s.rect(460, y, 300, 56, fill="white", stroke="#ca8a04")
-        s.text(475, y + 24, name, 16, anchor="start", mono=True, weight="bold")
-        s.text(475, y + 46, note, 14, anchor="start", fill=GREY)
+        y = 84 + j * 88
+        s.rect(398, y, 324, 72, fill="white", stroke="#ca8a04")
+        s.text(412, y + 28, name, 17, anchor="start", mono=True, weight="bold")
+        s.text(412, y + 56, note, 16, anchor="start", fill=GREY)
     for n in range(NODES):
-        y = 40 + n * 190
-        s.rect(870, y, 310, 160, fill="#f9fafb")
-        s.text(1025, y + 32, f"compute node {n} (no internet)", 18, weight="bold")
-        s.text(1025, y + 65, "HF_HUB_OFFLINE=1", 15, mono=True)
-        s.text(1025, y + 92, "reads the cache in < 1 s,", 15, fill=GREY)
-        s.text(1025, y + 115, "windows are slices of a tensor", 15, fill=GREY)
-        s.text(1025, y + 138, "in memory: no file per sample", 15, fill=GREY)
-        s.arrow(780, 160 + n * 60, 868, y + 80)
-    s.rect(20, 230, 330, 150, fill="white", stroke="#dc2626", width=2, dash="7 5")
-    s.text(185, 265, "$HOME", 20, weight="bold", fill="#dc2626")
-    s.text(185, 298, "small quota, often slow or", 16, fill=GREY)
-    s.text(185, 322, "backed up: not for data,", 16, fill=GREY)
-    s.text(185, 346, "caches or checkpoints", 16, fill=GREY)
+        y = 10 + n * 232
+        s.rect(810, y, 309, 188, fill="#f9fafb")
+        s.text(964, y + 34, f"compute node {n}", 20, weight="bold")
+        s.text(964, y + 58, "(no internet)", 17, fill=GREY)
+        s.text(964, y + 90, "HF_HUB_OFFLINE=1", 17, mono=True)
+        s.text(964, y + 120, "reads the cache in < 1 s,", 16, fill=GREY)
+        s.text(964, y + 144, "windows are slices of a tensor", 16, fill=GREY)
+        s.text(964, y + 168, "in memory: no file per sample", 16, fill=GREY)
+        s.arrow(740, 190 + n * 60, 808, y + 94)
+    s.rect(1, 230, 310, 190, fill="white", stroke="#dc2626", width=2, dash="7 5")
+    s.text(156, 272, "$HOME", 20, weight="bold", fill="#dc2626")
+    s.text(156, 314, "small quota, often slow or", 17, fill=GREY)
+    s.text(156, 342, "backed up: not for data,", 17, fill=GREY)
+    s.text(156, 370, "caches or checkpoints", 17, fill=GREY)
     return s
 
 
