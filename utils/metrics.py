@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -81,7 +82,15 @@ def peak_flops(device: torch.device, precision: str = "fp32") -> tuple[float, st
             if gpu in name:
                 return peaks[kind], f"{gpu} data sheet ({kind})"
     dtype = torch.bfloat16 if kind == "bfloat16" else torch.float32
-    return measure_matmul_flops(device, dtype), f"measured {kind} matmul on {device.type}"
+    return _measured_peak(device, dtype), f"measured {kind} matmul on {device.type}"
+
+
+@functools.cache
+def _measured_peak(device: torch.device, dtype: torch.dtype) -> float:
+    """Measured once per process: the live MFU (utils/monitor.py), the performance step's own
+    and summary.json's then divide by the same peak (two measurements on a busy machine can
+    differ by half)."""
+    return measure_matmul_flops(device, dtype)
 
 
 def synchronize(device: torch.device) -> None:

@@ -131,9 +131,13 @@ class TrainingMonitor:
                 batch = next(iterator)
             except StopIteration:
                 return
-            if self.throughput.last is not None:  # waits during training, not after a pause
-                self.data_wait += self.clock() - start
+            self.waited(self.clock() - start)
             yield batch
+
+    def waited(self, seconds: float) -> None:
+        """Count `seconds` of waiting for a batch (batches() calls it; Lightning's callback too)."""
+        if self.throughput.last is not None:  # waits during training, not after a pause
+            self.data_wait += seconds
 
     # ---- every --log-every steps ----
     def report(self, step: int, loss: torch.Tensor, bubble: list | None = None) -> str:
