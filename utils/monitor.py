@@ -37,8 +37,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import collective_device, get_rank, get_world_size
-from utils.metrics import (GradNorm, MetricLogger, final_results, peak_flops, perplexity,
-                           synchronize)
+from utils.metrics import GradNorm, MetricLogger, final_results, peak_flops, perplexity
 from utils.precision import resolve_precision
 from utils.system_metrics import FIELDS, start_sampler
 

@@ -86,13 +86,17 @@ class SystemSampler:
         if self.gpu is None:
             return [math.nan] * 4
         nvml, h = self.nvml, self.gpu
-        try:
-            return [float(nvml.nvmlDeviceGetUtilizationRates(h).gpu),
-                    nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30,
-                    nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # milliwatts
-                    float(nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))]
-        except Exception:  # a value this GPU does not report (NVMLError_NotSupported)
-            return [math.nan] * 4
+        readers = (lambda: nvml.nvmlDeviceGetUtilizationRates(h).gpu,
+                   lambda: nvml.nvmlDeviceGetMemoryInfo(h).used / 2**30,
+                   lambda: nvml.nvmlDeviceGetPowerUsage(h) / 1000.0,  # milliwatts
+                   lambda: nvml.nvmlDeviceGetTemperature(h, nvml.NVML_TEMPERATURE_GPU))
+        values = []
+        for read in readers:
+            try:
+                values.append(float(read()))
+            except Exception:  # a value this GPU does not report (NVMLError_NotSupported)
+                values.append(math.nan)
+        return values
 
     def take(self) -> list[float]:
         with self._lock:
