@@ -1,0 +1,123 @@
+"""What watching a run costs: the training step with and without the monitor (utils/monitor.py).
+
+    python benchmarks/bench_monitoring.py [--preset tiny] [--rounds 12] [--steps 40]
+
+Both loops are the scripts' loop on one process (DataLoader, forward, loss, backward, AdamW,
+Throughput): "with" adds what every script adds, monitor.batches() around the loader, the forward
+hooks, report() every --log-every steps (gradient norm, one collective, TensorBoard events
+written to a temporary folder) and the system sampler's thread. The two alternate round by
+round, so a neighbour's load hits both alike; a round's time per step is its whole time over
+its steps (report steps included), and the overhead compares the medians of all rounds. Prints numbers; asserts nothing.
+"""
+
+import argparse
+import platform
+import statistics
+import tempfile
+import time
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+from model import TransformerLM, get_config
+from utils.data import TokenWindows
+from utils.metrics import Throughput, synchronize
+from utils.monitor import TrainingMonitor
+
+VOCAB = 33278  # WikiText-2's
+
+
+def cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="tiny")
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=12, help="rounds of each, alternating")
+    p.add_argument("--steps", type=int, default=40, help="timed steps per round")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    device = torch.device(args.device)
+
+    cfg = get_config(args.preset, vocab_size=VOCAB, dropout=0.0)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    tokens = torch.randint(VOCAB, (args.batch_size * (args.steps + 2) * cfg.max_seq_len,))
+    loader = DataLoader(TokenWindows(tokens, cfg.max_seq_len), batch_size=args.batch_size,
+                        drop_last=True)
+    flags = SimpleNamespace(logger="tensorboard", precision="fp32", log_every=args.log_every,
+                            preset=args.preset, batch_size=args.batch_size)
+    out = tempfile.mkdtemp(prefix="bench_monitoring.")
+    throughput = Throughput(device)
+    monitor = TrainingMonitor(flags, out, model, optimizer, throughput, 1e6,
+                              total_steps=args.rounds * args.steps)
+
+    def one_round(monitored: bool) -> float:
+        steps = 0
+        batches = monitor.batches(loader) if monitored else loader
+        synchronize(device)
+        start = time.perf_counter()
+        for x, y in batches:
+            if steps == args.steps:
+                break
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            steps += 1
+            throughput.step(x.numel())
+            step_loss = loss.detach()
+            if monitored and steps % args.log_every == 0:
+                monitor.report(steps, step_loss)
+        synchronize(device)
+        seconds = time.perf_counter() - start
+        throughput.pause()
+        return seconds / steps
+
+    one_round(True), one_round(False)  # warm-up
+    rounds = {True: [], False: []}
+    for i in range(args.rounds):
+        for monitored in ((True, False) if i % 2 else (False, True)):
+            rounds[monitored].append(one_round(monitored))
+    report_s = []
+    for _ in range(20):
+        synchronize(device)
+        start = time.perf_counter()
+        monitor.report(1, loss=torch.ones((), device=device))
+        report_s.append(time.perf_counter() - start)
+    sample_s = []
+    for _ in range(50):
+        start = time.perf_counter()
+        monitor.sampler.sample()
+        sample_s.append(time.perf_counter() - start)
+    monitor.close()
+
+    without, with_ = statistics.median(rounds[False]), statistics.median(rounds[True])
+    print(f"{cpu_model()} ({torch.get_num_threads()} threads), torch {torch.__version__}, "
+          f"{device}, preset {args.preset}, batch {args.batch_size}, --log-every {args.log_every}")
+    print(f"step without monitoring: {without * 1e3:.2f} ms (median of {args.rounds} rounds of "
+          f"{args.steps} steps; rounds {min(rounds[False]) * 1e3:.2f}-{max(rounds[False]) * 1e3:.2f})")
+    print(f"step with monitoring:    {with_ * 1e3:.2f} ms (rounds "
+          f"{min(rounds[True]) * 1e3:.2f}-{max(rounds[True]) * 1e3:.2f})")
+    print(f"overhead: {100 * (with_ / without - 1):+.2f} % of the step")
+    print(f"one report(): {statistics.median(report_s) * 1e3:.2f} ms, i.e. "
+          f"{100 * statistics.median(report_s) / args.log_every / without:.2f} % of a step at "
+          f"--log-every {args.log_every}; one system sample (background thread): "
+          f"{statistics.median(sample_s) * 1e6:.0f} us every 5 s")
+
+
+if __name__ == "__main__":
+    main()
