@@ -158,16 +158,18 @@ def test_the_wandb_offline_run_has_the_same_metrics_config_and_final_results(run
     out = tmp_path / "wandb"
     run_script(RUNS["ddp exercise"][0], *TINY, "--logger", "wandb", "--out-dir", out,
                env=script_env(cache_dir=data_cache, WANDB_SILENT="true"))
+    def keys(items):  # wandb keeps "train/loss" as the nested key ("train", "loss")
+        return {item.key or "/".join(item.nested_key) for item in items}
+
     history, summary, config = set(), set(), set()
     for record in wandb_records(next((out / "wandb").glob("offline-run-*"))):
         kind = record.WhichOneof("record_type")
         if kind == "history":
-            history |= {item.key for item in record.history.item}
+            history |= keys(record.history.item)
         elif kind == "summary":
-            summary |= {item.key for item in record.summary.update}
+            summary |= keys(record.summary.update)
         elif kind in ("config", "run"):
-            update = record.config.update if kind == "config" else record.run.config.update
-            config |= {item.key for item in update}
+            config |= keys(record.config.update if kind == "config" else record.run.config.update)
     tensorboard = set(scalars(runs["ddp exercise"][0]))
     assert tensorboard - set(FINAL_METRICS) == {k for k in history if not k.startswith("_")}
     assert set(FINAL_METRICS) <= summary

@@ -152,7 +152,7 @@ class TrainingMonitor:
         self.last_seconds, self.last_tokens, self.last_steps = t.seconds, t.tokens, t.steps
         own = self.data_wait + self.forward.take()  # this rank's own part of the interval
         recent = bubble[-max(steps, 1):] if bubble else []
-        mine = [self.data_wait / seconds if seconds > 0 else math.nan,
+        mine = [self.data_wait / seconds if steps and seconds > 0 else math.nan,
                 own / steps if steps else math.nan, *self._memory(),
                 sum(recent) / len(recent) if recent else math.nan, *self.sampler.take()]
         self.data_wait = 0.0
@@ -164,7 +164,7 @@ class TrainingMonitor:
         loss_value, grad_norm = values[0][0], values[0][1]
         per_rank = [row[2:] for row in values]
         wait, own_s, mem, peak, idle_share = (list(col) for col in list(zip(*per_rank))[:5])
-        tokens_per_s = tokens / seconds if seconds > 0 else math.nan
+        tokens_per_s = tokens / seconds if steps and seconds > 0 else math.nan
         step_s = seconds / steps if steps else math.nan
         # ETA: the wall time per step since the first report (so evaluations count, the first
         # steps' warm-up does not); at the first report, the interval's step time
