@@ -71,8 +71,8 @@ def straggler(out: Path, script: str) -> None:
     the 4th to the 12th second."""
     port = 29000 + os.getpid() % 1000
     common = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=2, OMP_NUM_THREADS=1)
-    ranks = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, script, *TINY,
-                               "--dataset", "synthetic", "--max-steps", 900, "--out-dir", out],
+    cmd = [script, *TINY, "--dataset", "synthetic", "--max-steps", 900, "--out-dir", out]
+    ranks = [subprocess.Popen(["taskset", "-c", str(rank), sys.executable, *map(str, cmd)],
                               cwd=ROOT, stdout=subprocess.DEVNULL,
                               env=env(**common, RANK=rank, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=2))
              for rank in (0, 1)]
@@ -147,7 +147,9 @@ def main():
             tensorboard.close()
     tensorboard = TensorBoard(args.out)
     try:
-        screenshot(tensorboard.url + "?darkMode=false#hparams", FIGURES / "monitoring-hparams.png")
+        # wide enough for the final/* columns after the flags
+        screenshot(tensorboard.url + "?darkMode=false#hparams", FIGURES / "monitoring-hparams.png",
+                   size=(2400, 700))
     finally:
         tensorboard.close()
 
