@@ -9,7 +9,9 @@ written to a temporary folder) and the system sampler's thread. The two alternat
 round, so a neighbour's load hits both alike; a round's time per step is its whole time over
 its steps (a report step included), and the overhead is the median of the ratios of
 neighbouring rounds. On a busy shared machine that ratio is noisy, so the monitor's own parts
-are also timed alone (the best of a few timings) and added up per step. Prints numbers; asserts nothing.
+are also timed alone (the best of a few timings) and added up per step, and the rounds are
+compared by the CPU time of the training thread too (with --threads 1 it does all the work),
+which other processes' load changes far less than the wall time. Prints numbers; asserts nothing.
 """
 
 import argparse
@@ -49,7 +51,10 @@ def main():
     p.add_argument("--steps", type=int, default=10, help="timed steps per round")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads (1: all the work in the thread whose CPU time is measured)")
     args = p.parse_args()
+    torch.set_num_threads(args.threads)
     device = torch.device(args.device)
 
     cfg = get_config(args.preset, vocab_size=VOCAB, dropout=0.0)
@@ -66,8 +71,10 @@ def main():
     monitor = TrainingMonitor(flags, out, model, optimizer, throughput, 1e6,
                               total_steps=args.rounds * args.steps)
 
-    def one_round(monitored: bool) -> float:
-        steps = 0
+    done = [0]  # steps over all rounds: a report every --log-every of them, as in a run
+
+    def one_round(monitored: bool) -> tuple[float, float]:
+        steps, cpu = 0, time.thread_time()
         batches = monitor.batches(loader) if monitored else loader
         synchronize(device)
         start = time.perf_counter()
@@ -82,12 +89,14 @@ def main():
             steps += 1
             throughput.step(x.numel())
             step_loss = loss.detach()
-            if monitored and steps % args.log_every == 0:
-                monitor.report(steps, step_loss)
+            if monitored:
+                done[0] += 1
+                if done[0] % args.log_every == 0:
+                    monitor.report(done[0], step_loss)
         synchronize(device)
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.thread_time() - cpu
         throughput.pause()
-        return seconds / steps
+        return seconds / steps, cpu / steps
 
     one_round(True), one_round(False)  # warm-up
     rounds = {True: [], False: []}
@@ -95,7 +104,11 @@ def main():
         for monitored in ((True, False) if i % 2 else (False, True)):
             rounds[monitored].append(one_round(monitored))
     # each pair of neighbouring rounds ran under about the same load from other processes
-    ratios = [w / wo for w, wo in zip(rounds[True], rounds[False])]
+    ratios = [w[0] / wo[0] for w, wo in zip(rounds[True], rounds[False])]
+    # the training thread's own CPU time: what other processes' load changes least
+    cpu_ratios = [w[1] / wo[1] for w, wo in zip(rounds[True], rounds[False])]
+    cpu_without = statistics.median(wo[1] for wo in rounds[False])
+    rounds = {k: [wall for wall, _ in v] for k, v in rounds.items()}
     report_s = []
     for _ in range(20):
         synchronize(device)
@@ -129,9 +142,12 @@ def main():
           f"{args.steps} steps; rounds {min(rounds[False]) * 1e3:.2f}-{max(rounds[False]) * 1e3:.2f})")
     print(f"step with monitoring:    {with_ * 1e3:.2f} ms (rounds "
           f"{min(rounds[True]) * 1e3:.2f}-{max(rounds[True]) * 1e3:.2f})")
-    print(f"overhead, interleaved: {100 * (statistics.median(ratios) - 1):+.2f} % of the step "
-          f"(median of {len(ratios)} neighbouring pairs; medians of all rounds: "
+    print(f"overhead, interleaved, wall time: {100 * (statistics.median(ratios) - 1):+.2f} % "
+          f"of the step (median of {len(ratios)} neighbouring pairs; medians of all rounds: "
           f"{100 * (with_ / without - 1):+.2f} %)")
+    print(f"overhead, interleaved, the training thread's CPU time: "
+          f"{100 * (statistics.median(cpu_ratios) - 1):+.2f} % of {cpu_without * 1e3:.2f} ms "
+          f"(median of the pairs' ratios)")
     print(f"overhead, its parts timed alone: {accounted * 1e6:.0f} us per step = "
           f"{100 * accounted / without:.3f} % of the step without monitoring: batches() "
           f"{per_batch * 1e6:.1f} us, forward hooks {per_forward * 1e6:.1f} us, report() "
