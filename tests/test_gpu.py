@@ -237,3 +237,41 @@ def test_two_pipeline_stages_on_two_gpus_train_like_one_process(schedule, tmp_pa
              cache=data_cache)
     assert pp["schedule"] == schedule and len(pp["idle_fraction_per_stage"]) == 2
     assert_trains_like(pp, ref, steps=4)
+
+
+def test_every_gpu_of_a_run_has_its_utilisation_memory_power_and_temperature_curves(
+        tmp_path, data_cache):
+    """The system sampler on a real GPU (NVML, found by UUID): one DDP run on one GPU logs
+    its GPU's curves next to the training metrics, with plausible values."""
+    import socket
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    run_script(BASELINE, *COMMON[:-4], "--max-steps", 20, "--log-every", 5, "--logger",
+               "tensorboard", "--out-dir", tmp_path, nproc=1, torchrun=True,
+               env=gpu_env(cache_dir=data_cache), timeout=600)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    tags = events.Tags()["scalars"]
+    prefix = f"system/{socket.gethostname()}/gpu"
+    gpus = {t.split("/")[2] for t in tags if t.startswith(prefix)}
+    assert len(gpus) == 1, tags
+    last = {t.rsplit("/", 1)[1]: events.Scalars(t)[-1].value
+            for t in tags if t.startswith(f"system/{socket.gethostname()}/{gpus.pop()}/")}
+    assert 0 <= last["utilization"] <= 100 and 0 < last["memory_gib"] < 1000
+    assert 0 < last["power_w"] < 2000 and 0 < last["temperature_c"] < 120
+    assert events.Scalars("memory/peak_gib")[-1].value > 0  # torch.cuda.max_memory_allocated
+
+
+def sample_own_gpu(rank, world_size):
+    from utils.system_metrics import FIELDS, start_sampler
+    sampler, index = start_sampler(torch.device("cuda", rank), seconds=60)
+    try:
+        return index, dict(zip(FIELDS, sampler.take()))
+    finally:
+        sampler.close()
+
+
+def test_the_sampler_finds_this_processs_gpu_in_nvml():
+    # in a fresh process: this one hides the GPUs (conftest.py)
+    (index, values), = run_distributed(sample_own_gpu, 1, device="cuda")
+    assert index >= 0 and values["gpu_memory_gib"] > 0 and values["gpu_temperature_c"] > 0

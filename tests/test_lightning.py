@@ -248,7 +248,7 @@ def test_sigusr1_before_the_time_limit_saves_requeues_and_the_requeued_job_resum
     lines = []
     for line in first.stdout:
         lines.append(line)
-        if line.startswith("epoch 0 step 2 loss"):
+        if line.startswith("epoch 0 step 2/"):
             first.send_signal(signal.SIGUSR1)
             break
     lines += first.stdout.readlines()
@@ -269,7 +269,8 @@ def test_sigusr1_before_the_time_limit_saves_requeues_and_the_requeued_job_resum
     # The loss history survived the requeue (CourseLog's state is in the checkpoint).
     history = summary["loss_history"]
     assert len(history) == interrupted_at + 3
-    first_losses = [float(l.split()[-1]) for l in lines if l.startswith("epoch 0 step ")]
+    first_losses = [float(l.split(" loss ")[1].split()[0]) for l in lines
+                    if l.startswith("epoch 0 step ")]
     assert history[:2] == pytest.approx(first_losses[:2], abs=1e-4)
     # The test split was evaluated on the final weights, not on those of the requeue checkpoint.
     final = checkpoint_model(out / "checkpoints" / "last.ckpt")

@@ -148,7 +148,7 @@ def test_sbatch_file_trains_on_every_node_with_the_expected_ranks(slurm, case, t
     assert all(key in summary for key in ("val_loss", "test_loss")), why
 
     # Rank 0 alone prints the training log (print0): each line once, not once per rank.
-    for line_start in ("data: ", "epoch 0 step 5 loss", "test loss "):
+    for line_start in ("data: ", "epoch 0 step 5/5 (100%) loss", "test loss "):
         assert sum(l.startswith(line_start) for l in log.splitlines()) == 1, \
             f"expected one line starting {line_start!r}\n{why}"
 
@@ -331,7 +331,7 @@ def test_lightning_requeues_itself_at_a_real_time_limit_and_the_requeued_job_fin
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == interrupted_at + 5, job.describe()
     assert len(summary["loss_history"]) == interrupted_at + 5  # the history survived
-    assert f"step {interrupted_at + 5} loss" in log.split("restart count 1")[1], job.describe()
+    assert f"step {interrupted_at + 5}/" in log.split("restart count 1")[1], job.describe()
 
 
 # ------------------------------------------------------------- FSDP: a requeued job resumes by itself

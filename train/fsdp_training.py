@@ -35,8 +35,9 @@ from model import TransformerLM, get_config
 from utils.args import base_parser
 from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, model_state_bytes,
-                           peak_memory_bytes, perplexity, training_summary, write_summary)
+from utils.metrics import (Throughput, flops_per_token, model_state_bytes, peak_memory_bytes,
+                           perplexity, training_summary, write_summary)
+from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
@@ -119,10 +120,12 @@ def main():
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # one kernel for all parameters
-    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+    throughput = Throughput(device)
+    # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
+    monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
+                              planned_steps(args, train_loader))
 
     # ---- training ----
-    throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     start_epoch, start_batch = 0, 0
     # TODO 20: Save sharded checkpoints: define save_checkpoint(name, epoch, batches_done) that
@@ -147,7 +150,7 @@ def main():
         # A resumed run skips the batches its checkpoint had already trained on in this epoch
         # (cheap here: a batch is a slice of a tensor in memory).
         batches_done = start_batch if epoch == start_epoch else 0
-        for x, y in itertools.islice(train_loader, batches_done, None):
+        for x, y in monitor.batches(itertools.islice(train_loader, batches_done, None)):
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -166,8 +169,7 @@ def main():
             stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
-                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
-                logger.log({"train/loss": step_loss.item()}, step)
+                print0(f"epoch {epoch} {monitor.report(step, step_loss)}")
             # TODO 20: With --checkpoint-every, also save "last" during the epoch (a job that
             # hits its time limit loses at most that many steps).
 
@@ -175,7 +177,7 @@ def main():
         val_loss = evaluate(model, val_loader, device)
         stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
-        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        monitor.log_epoch(step, val_loss)
         if val_loss < best_val:
             best_val = val_loss
             # TODO 20: Save the best checkpoint with save_sharded_model instead of save0 (save0
@@ -207,7 +209,7 @@ def main():
     # the full weights on rank 0 (into CPU memory), and the file loads into a plain TransformerLM.
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
-    logger.close()
+    monitor.close(summary)
     # Delete the model first, so its communication buffers are freed while the group still exists.
     del model, optimizer
     destroy_process_group()

@@ -36,8 +36,8 @@ from utils.args import base_parser
 from utils.data import IGNORE_INDEX, DistributedEvalSampler, TokenWindows, load_corpus_or_exit
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
-                           training_summary, write_summary)
+from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import set_precision
 # TODO 41: Import what measuring, profiling and the fixes need: synchronize (time the GPU
 # honestly), peak_flops (what MFU divides by), torch.profiler, contextlib (for ranges made of
@@ -104,20 +104,22 @@ def main():
     # TODO 46: The fused AdamW updates all parameters in one GPU kernel instead of several
     # kernels per parameter; for a small model, the default spends much of a step launching them.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+    throughput = Throughput(device)
+    # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
+    monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
+                              planned_steps(args, train_loader))
 
     # TODO 42: Measure while training: the peak FLOP/s of this device in the dtype the matmuls
     # run in (the data sheet of a known GPU, else a measured matmul), to turn tokens/s into MFU.
     # TODO 43: Start the profiler with a window that fits into the steps this run will take.
 
     # ---- training ----
-    throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)
         first_step = step
         # TODO 42: tokens since the last report, and when that interval started
-        for x, y in train_loader:
+        for x, y in monitor.batches(train_loader):  # (times the wait for each batch)
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -139,11 +141,11 @@ def main():
             # TODO 43: Tell the profiler that a step is done.
             # TODO 42: Report tokens/s and MFU of the last interval with the loss. A GPU runs
             # behind the Python code: synchronize before reading the clock, or the time is only
-            # how long it took to queue the work.
+            # how long it took to queue the work. (The monitor's line below measures the same
+            # way, in utils/monitor.py: your numbers should agree with it.)
             if step % args.log_every == 0:
                 # TODO 42: the report
-                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
-                logger.log({"train/loss": step_loss.item()}, step)
+                print0(f"epoch {epoch} {monitor.report(step, step_loss)}")
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
@@ -151,8 +153,7 @@ def main():
             else math.nan
         print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
                f"perplexity {perplexity(val_loss):.1f}")
-        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
-                    "val/ppl": perplexity(val_loss)}, step)
+        monitor.log_epoch(step, val_loss, train_loss)
         if val_loss < best_val:
             best_val = val_loss
             save0(model, out_dir / "best_model.pt")
@@ -173,7 +174,7 @@ def main():
            f"({summary['precision']}), peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
-    logger.close()
+    monitor.close(summary)
     del model, optimizer
     destroy_process_group()
 

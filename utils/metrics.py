@@ -10,11 +10,13 @@ import os
 import resource
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from utils.distributed_utils import is_root_process
+from utils.distributed_utils import all_reduce_sum, collective_device, is_root_process
 from utils.precision import matmul_dtype, resolve_precision
 
 
@@ -191,14 +193,24 @@ class Throughput:
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.tokens, self.seconds, self.last = 0, 0.0, None
+        self.tokens, self.seconds, self.steps, self.last = 0, 0.0, 0, None
 
     def step(self, tokens: int) -> None:
         now = time.perf_counter()
         if self.last is not None:
             self.tokens += tokens
             self.seconds += now - self.last
+            self.steps += 1
         self.last = now
+
+    def lap(self) -> None:
+        """Bring `seconds` up to now without pausing: the queued steps finish first (a GPU
+        runs behind Python), so an interval's time is the device's, not the queue's."""
+        synchronize(self.device)
+        if self.last is not None:
+            now = time.perf_counter()
+            self.seconds += now - self.last
+            self.last = now
 
     def pause(self) -> None:
         synchronize(self.device)  # finish the queued steps: their time belongs to training
@@ -215,10 +227,59 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))  # exp overflows past ~700; 50 is already "untrained"
 
 
+class GradNorm:
+    """The L2 norm of the whole model's gradient, the same number for every layout: DDP
+    replicas, FSDP or tensor-parallel shards (DTensors) and pipeline stages (each rank holds
+    other layers). Call it on every rank (one all-reduce) after backward; it returns a tensor on
+    the device, so nothing waits for the GPU until the value is read.
+
+    Every rank adds up the squares of the gradient pieces it holds, each weighted by
+    shards / holders: a parameter held by 4 ranks in 2 different shards (TP 2 x DP 2) counts
+    each rank's piece half, a replicated one (DDP) 1 / world size, a pipeline stage's own layers
+    fully. Which ranks hold which parameter is asked once, by name.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.weights = None
+
+    def _weights(self, device) -> torch.Tensor:
+        names = [name for name, _ in self.params]
+        holders = Counter(names)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, names)
+            holders = Counter(n for rank_names in everyone for n in rank_names)
+        weights = []
+        for name, p in self.params:
+            shards = 1
+            if hasattr(p, "device_mesh"):  # a DTensor: its mesh dimensions that split it
+                shards = math.prod(p.device_mesh.size(i) for i, placement in
+                                   enumerate(p.placements) if placement.is_shard())
+            weights.append(shards / holders[name])
+        return torch.tensor(weights, dtype=torch.float64, device=device)
+
+    def __call__(self) -> torch.Tensor:
+        grads = [(i, p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
+                 for i, (_, p) in enumerate(self.params) if p.grad is not None]
+        device = collective_device()
+        if self.weights is None:
+            self.weights = self._weights(device)
+        if not grads:
+            squares = torch.zeros((), dtype=torch.float64, device=device)
+        else:
+            norms = torch._foreach_norm([g for _, g in grads])  # one kernel for all
+            squares = (torch.stack(norms).to(device, torch.float64) ** 2
+                       * self.weights[[i for i, _ in grads]]).sum()
+        return all_reduce_sum(squares).sqrt()
+
+
 class MetricLogger:
     """Scalars to TensorBoard or wandb (offline), on the root process only.
 
     Each backend is imported only when chosen, so neither is needed for `--logger none`.
+    The run's flags go to TensorBoard's HParams view (and wandb's config) at the start, its
+    final results (`finish`) to the same view's metric columns (and wandb's summary).
     """
 
     def __init__(self, kind: str, out_dir: str | os.PathLike, config: dict, name: str):
@@ -239,6 +300,8 @@ class MetricLogger:
                                   config=config, dir=str(out_dir))
         elif self.kind != "none":
             raise ValueError(f"unknown logger {kind!r}: use none, tensorboard or wandb")
+        if self.writer is not None:
+            write_hparams(self.writer, config)
 
     def log(self, metrics: dict, step: int) -> None:
         if self.writer is not None:
@@ -247,11 +310,48 @@ class MetricLogger:
         if self.run is not None:
             self.run.log(metrics, step=step)
 
+    def finish(self, results: dict, step: int) -> None:
+        """The run's final results: FINAL_METRICS columns of the HParams view, wandb's summary."""
+        results = {k: v for k, v in results.items() if k in FINAL_METRICS}
+        if self.writer is not None:
+            for k, v in results.items():
+                self.writer.add_scalar(k, v, step)
+        if self.run is not None:
+            self.run.summary.update(results)
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
         if self.run is not None:
             self.run.finish()
+
+
+# The HParams view's metric columns: the last value of these scalars in each run.
+FINAL_METRICS = ("final/val_loss", "final/test_loss", "final/test_ppl", "final/tokens_per_s",
+                 "final/mfu", "final/peak_mem_gib", "final/wall_time_s")
+
+
+def final_results(summary: dict) -> dict:
+    """FINAL_METRICS from a training_summary."""
+    return {"final/val_loss": summary["val_loss"], "final/test_loss": summary["test_loss"],
+            "final/test_ppl": summary["test_ppl"], "final/tokens_per_s": summary["tokens_per_s"],
+            "final/mfu": summary["mfu"], "final/peak_mem_gib": summary["peak_mem_bytes"] / 2**30,
+            "final/wall_time_s": summary["wall_time_s"]}
+
+
+def hparam_value(value):
+    """What the HParams view can show: numbers, strings and booleans (None and lists as text)."""
+    return value if isinstance(value, (bool, int, float, str)) else str(value)
+
+
+def write_hparams(writer, config: dict) -> None:
+    """The flags of this run into its own event file (SummaryWriter.add_hparams would start a
+    second run in a subfolder, apart from the curves), listing FINAL_METRICS as the columns."""
+    from torch.utils.tensorboard.summary import hparams
+    experiment, start, end = hparams({k: hparam_value(v) for k, v in config.items()},
+                                     {k: math.nan for k in FINAL_METRICS})
+    for summary in (experiment, start, end):
+        writer.file_writer.add_summary(summary)
 
 
 def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_history: list,

@@ -40,7 +40,9 @@ from utils.checks import check_writable, stop_if_not_finite
 from utils.data import check_splits, load_corpus_or_exit
 from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slurm_gpus_are_unused
 from utils.lit_data import WikiText2DataModule
-from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity,
+                           training_summary, write_summary)
+from utils.monitor import TrainingMonitor
 from utils.precision import compile_blocks, lightning_precision, set_precision
 
 # Lightning's rank_zero_only is the DDP lesson's print0; it knows the rank before any process group.
@@ -161,15 +163,46 @@ class RequeueAtTimeLimit(Callback):
             subprocess.run(["scontrol", "requeue", job], check=False)
 
 
+class LightningLogs:
+    """The monitor's metrics (utils/monitor.py) through the Trainer's logger, under the plain
+    scripts' names. Lightning logs the training and validation loss itself (LitTransformerLM),
+    one step earlier on its x-axis (it counts the steps before the current one): so do we."""
+
+    OWN = {"train/loss", "val/loss", "val/ppl"}
+
+    def __init__(self, trainer, args):
+        self.trainer = trainer
+        if trainer.logger:  # the flags into the HParams view (TensorBoard) or config (wandb)
+            trainer.logger.log_hyperparams(vars(args), {k: float("nan") for k in FINAL_METRICS}
+                                           if isinstance(trainer.logger, TensorBoardLogger) else None)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.trainer.logger:
+            self.trainer.logger.log_metrics({k: v for k, v in metrics.items() if k not in self.OWN},
+                                            step=step - 1)
+
+    def finish(self, results: dict, step: int) -> None:
+        self.log(results, step)
+        if isinstance(self.trainer.logger, WandbLogger) and self.trainer.is_global_zero:
+            self.trainer.logger.experiment.summary.update(results)
+
+    def close(self) -> None:
+        pass  # Lightning closes its logger
+
+
 class CourseLog(Callback):
-    """What the plain scripts print and report: one `setup:` line per process, the loss every
-    --log-every steps, validation results, and the loss history and tokens/s for summary.json.
+    """What the plain scripts print and report: one `setup:` line per process, every --log-every
+    steps the monitor's line and metrics (utils/monitor.py: tokens/s, MFU, memory, gradient norm,
+    ...), validation results, and the loss history and tokens/s for summary.json.
 
     Its state is saved in Lightning's checkpoints, so a requeued job continues the loss history.
+    (Lightning's ThroughputMonitor would synchronize the GPU after every batch: docs/lightning.md.)
     """
 
-    def __init__(self, log_every: int):
-        self.log_every, self.loss_history, self.throughput = log_every, [], None
+    def __init__(self, args, flops_per_token: float):
+        self.args, self.flops_per_token = args, flops_per_token
+        self.log_every, self.loss_history, self.throughput = args.log_every, [], None
+        self.monitor, self.batch_end = None, None
 
     def setup(self, trainer, pl_module, stage):
         if stage == "fit" and trainer.world_size > 1:
@@ -182,6 +215,14 @@ class CourseLog(Callback):
 
     def on_train_start(self, trainer, pl_module):
         self.throughput = Throughput(pl_module.device)
+        self.monitor = TrainingMonitor(self.args, trainer.default_root_dir, pl_module.model,
+                                       trainer.optimizers[0], self.throughput,
+                                       self.flops_per_token, trainer.estimated_stepping_batches,
+                                       logger=LightningLogs(trainer, self.args))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.batch_end is not None:  # the time since the last step: fetching this batch
+            self.monitor.waited(time.perf_counter() - self.batch_end)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = trainer.callback_metrics["train/loss"]  # logged with sync_dist: the mean over ranks
@@ -190,7 +231,8 @@ class CourseLog(Callback):
         step = trainer.global_step
         stop_if_not_finite(loss, step)  # before Lightning saves a checkpoint
         if step % self.log_every == 0:
-            print0(f"epoch {trainer.current_epoch} step {step} loss {loss.item():.4f}")
+            print0(f"epoch {trainer.current_epoch} {self.monitor.report(step, loss)}")
+        self.batch_end = time.perf_counter()
         if step == trainer.max_steps:
             # Stop here and validate the final weights, as the plain scripts do (without this,
             # Lightning would end at max_steps without validating).
@@ -199,12 +241,15 @@ class CourseLog(Callback):
     def on_validation_start(self, trainer, pl_module):
         if self.throughput is not None:
             self.throughput.pause()  # evaluation time is not training time
+        self.batch_end = None
 
     def on_validation_end(self, trainer, pl_module):
         loss = trainer.callback_metrics["val/loss"].item()
         stop_if_not_finite(loss, trainer.global_step, "validation loss")  # ModelCheckpoint runs after
         print0(f"epoch {trainer.current_epoch} validation loss {loss:.4f} "
                f"perplexity {perplexity(loss):.1f}")
+        if self.monitor is not None:
+            self.monitor.log_epoch(trainer.global_step, loss)
 
     def state_dict(self):
         return {"loss_history": [float(v) for v in self.loss_history]}
@@ -251,7 +296,7 @@ def main():
                              save_dir=str(out_dir), offline=True)
     else:
         logger = False
-    course_log = CourseLog(args.log_every)
+    course_log = CourseLog(args, flops_per_tok)
     requeue = [RequeueAtTimeLimit()] if settings["plugins"] else []  # under srun only
     # Checkpoints by Lightning: the best validation loss and the last state (with the optimizer).
     checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor="val/loss", mode="min",
@@ -263,7 +308,8 @@ def main():
         logger=logger, log_every_n_steps=args.log_every,
         callbacks=[course_log, checkpoints, *requeue],
         use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)
-        num_sanity_val_steps=0, enable_progress_bar=False)
+        # the progress bar in a terminal only: in a batch job's log it is a line per refresh
+        num_sanity_val_steps=0, enable_progress_bar=sys.stdout.isatty())
 
     # ---- training, evaluation ----
     trainer.fit(lit_model, datamodule=data)
@@ -286,6 +332,7 @@ def main():
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     write_summary(out_dir, summary)
+    course_log.monitor.close(summary)
     # Lightning would destroy the process group at exit; doing it here, after freeing the wrapped
     # model and a barrier (see utils/distributed_utils.py), avoids rare aborts at teardown.
     del trainer, lit_model

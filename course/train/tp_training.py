@@ -32,8 +32,8 @@ from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int
 from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
-                           training_summary, write_summary)
+from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
@@ -215,14 +215,16 @@ def main():
     #| end
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # one kernel for all parameters
-    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+    throughput = Throughput(device)
+    # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
+    monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
+                              planned_steps(args, train_loader))
 
     # ---- training ----
-    throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
-        for x, y in train_loader:
+        for x, y in monitor.batches(train_loader):  # (times the wait for each batch)
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -262,8 +264,7 @@ def main():
             stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
-                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
-                logger.log({"train/loss": step_loss.item()}, step)
+                print0(f"epoch {epoch} {monitor.report(step, step_loss)}")
 
         throughput.pause()  # evaluation time is not training time
         # TODO 33: evaluate on the data-parallel group
@@ -274,7 +275,7 @@ def main():
         #| end
         stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
-        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        monitor.log_epoch(step, val_loss)
         if val_loss < best_val:
             best_val = val_loss
             # Save on rank 0 only, the plain model's weights, so the file loads without DDP.
@@ -315,7 +316,7 @@ def main():
     save_full_model(model, out_dir / "final_model.pt")
     #| end
     write_summary(out_dir, summary)
-    logger.close()
+    monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer
     destroy_process_group()

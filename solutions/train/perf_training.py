@@ -36,8 +36,8 @@ from utils.args import base_parser
 from utils.data import IGNORE_INDEX, DistributedEvalSampler, TokenWindows, load_corpus_or_exit
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
-                           training_summary, write_summary)
+from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import set_precision
 # DONE 41: Import what measuring, profiling and the fixes need: synchronize (time the GPU
 # honestly), peak_flops (what MFU divides by), torch.profiler, contextlib (for ranges made of
@@ -155,7 +155,10 @@ def main():
     # kernels per parameter; for a small model, the default spends much of a step launching them.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")
-    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+    throughput = Throughput(device)
+    # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
+    monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
+                              planned_steps(args, train_loader))
 
     # DONE 42: Measure while training: the peak FLOP/s of this device in the dtype the matmuls
     # run in (the data sheet of a known GPU, else a measured matmul), to turn tokens/s into MFU.
@@ -168,14 +171,13 @@ def main():
     profiler = make_profiler(out_dir, rank, device, steps_available) if args.profile else None
 
     # ---- training ----
-    throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)
         first_step = step
         # DONE 42: tokens since the last report, and when that interval started
         interval_tokens, interval_start = 0, time.perf_counter()
-        for x, y in train_loader:
+        for x, y in monitor.batches(train_loader):  # (times the wait for each batch)
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -203,7 +205,8 @@ def main():
                 profiler.step()
             # DONE 42: Report tokens/s and MFU of the last interval with the loss. A GPU runs
             # behind the Python code: synchronize before reading the clock, or the time is only
-            # how long it took to queue the work.
+            # how long it took to queue the work. (The monitor's line below measures the same
+            # way, in utils/monitor.py: your numbers should agree with it.)
             interval_tokens += x.numel() * world_size
             if step % args.log_every == 0:
                 # DONE 42: the report
@@ -212,7 +215,7 @@ def main():
                 print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "
                        f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")
                 interval_tokens, interval_start = 0, time.perf_counter()
-                logger.log({"train/loss": step_loss.item()}, step)
+                print0(f"epoch {epoch} {monitor.report(step, step_loss)}")
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
@@ -220,8 +223,7 @@ def main():
             else math.nan
         print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
                f"perplexity {perplexity(val_loss):.1f}")
-        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
-                    "val/ppl": perplexity(val_loss)}, step)
+        monitor.log_epoch(step, val_loss, train_loss)
         if val_loss < best_val:
             best_val = val_loss
             save0(model, out_dir / "best_model.pt")
@@ -247,7 +249,7 @@ def main():
            f"({summary['precision']}), peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
-    logger.close()
+    monitor.close(summary)
     del model, optimizer
     destroy_process_group()
 

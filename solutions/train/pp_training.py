@@ -41,8 +41,9 @@ from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, chec
                         load_corpus_or_exit)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-from utils.metrics import (MetricLogger, StageBusyTimer, Throughput, flops_per_token,
-                           perplexity, pipeline_bubble_fraction, training_summary, write_summary)
+from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
+                           pipeline_bubble_fraction, training_summary, write_summary)
+from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 
 # GPipe: all forward passes, then all backward passes (keeps every microbatch's activations).
@@ -193,14 +194,16 @@ def main():
     idle_history = []  # per step: the share of the step this stage waited (timer.idle_fraction())
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # one kernel for all parameters
-    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+    throughput = Throughput(device)
+    # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
+    monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
+                              planned_steps(args, train_loader))
 
     # ---- training ----
-    throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
         train_sampler.set_epoch(epoch)  # else every epoch repeats the first epoch's order
-        for x, y in train_loader:
+        for x, y in monitor.batches(train_loader):  # (times the wait for each batch)
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -231,15 +234,14 @@ def main():
             stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
             loss_history.append(step_loss)
             if step % args.log_every == 0:
-                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
-                logger.log({"train/loss": step_loss.item()}, step)
+                print0(f"epoch {epoch} {monitor.report(step, step_loss, idle_history)}")
 
         throughput.pause()  # evaluation time is not training time
         # DONE 40: evaluate through the pipeline
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
         stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
-        logger.log({"val/loss": val_loss, "val/ppl": perplexity(val_loss)}, step)
+        monitor.log_epoch(step, val_loss)
         if val_loss < best_val:
             best_val = val_loss
             # DONE 39: No rank holds the whole model: save with Distributed Checkpoint, every
@@ -279,7 +281,7 @@ def main():
     # DONE 39: Distributed Checkpoint, into out_dir / "final_model"
     dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
     write_summary(out_dir, summary)
-    logger.close()
+    monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer
     # DONE 36: ... and the stage and schedules, which hold the model too.

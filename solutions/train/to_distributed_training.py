@@ -26,8 +26,8 @@ from model import TransformerLM, get_config
 from utils.args import base_parser
 from utils.checks import check_writable, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
-from utils.metrics import (MetricLogger, Throughput, flops_per_token, perplexity,
-                           training_summary, write_summary)
+from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 # DONE 1: Import what DDP needs: DistributedDataParallel (as DDP) from torch.nn.parallel,
 # DistributedSampler from torch.utils.data.distributed, our DistributedEvalSampler from
@@ -98,17 +98,19 @@ def main():
     # fused: one kernel updates all parameters on a GPU (instead of several per parameter)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")
-    logger = MetricLogger(args.logger, out_dir, vars(args), name=out_dir.name)
+    throughput = Throughput(device)
+    # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
+    monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
+                              planned_steps(args, train_loader))
 
     # ---- training ----
-    throughput = Throughput(device)
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
         # DONE 6: Tell the sampler the epoch, train_sampler.set_epoch(epoch), or every epoch
         # repeats the first epoch's order.
         train_sampler.set_epoch(epoch)
         first_step = step
-        for x, y in train_loader:
+        for x, y in monitor.batches(train_loader):  # (times the wait for each batch)
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
@@ -127,8 +129,7 @@ def main():
             loss_history.append(step_loss)
             if step % args.log_every == 0:
                 # DONE 9: print0
-                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f}")
-                logger.log({"train/loss": step_loss.item()}, step)
+                print0(f"epoch {epoch} {monitor.report(step, step_loss)}")
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
@@ -138,8 +139,7 @@ def main():
         # DONE 9: print0
         print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "
                f"perplexity {perplexity(val_loss):.1f}")
-        logger.log({"train/epoch_loss": train_loss, "val/loss": val_loss,
-                    "val/ppl": perplexity(val_loss)}, step)
+        monitor.log_epoch(step, val_loss, train_loss)
         if val_loss < best_val:
             best_val = val_loss
             # DONE 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
@@ -161,7 +161,7 @@ def main():
     # DONE 10: save0
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
-    logger.close()
+    monitor.close(summary)
     # DONE 11: Leave the process group when done: destroy_process_group(). Delete the DDP model
     # first (del model, optimizer), so its communication buffers are freed while the group
     # still exists.
