@@ -21,4 +21,5 @@ import utils.checks  # noqa: F401
 import utils.data  # noqa: F401
 import utils.distributed_utils  # noqa: F401
 import utils.metrics  # noqa: F401
+import utils.monitor  # noqa: F401
 import utils.precision  # noqa: F401

@@ -315,6 +315,14 @@ class Probe:
         if hasattr(PipelineScheduleSingle, "eval"):
             wrap(PipelineScheduleSingle, "eval", before=schedule_call("eval"))
 
+        # -- the course's monitor: the log lines it writes (not the script's own reports)
+        import utils.monitor as umon
+
+        def monitor_line(result, *a, **k):
+            if len(record.setdefault("monitor_lines", [])) < 500:
+                record["monitor_lines"].append(str(result))
+        wrap(umon.TrainingMonitor, "report", after=monitor_line)
+
         # -- metrics: what the script logs, the tokens it counts, the clocks it reads
         def logged(self, metrics, step):
             record["logged"].append({"step": int(step), "metrics": {
