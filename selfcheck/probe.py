@@ -650,7 +650,7 @@ def describe_meshes(m):
 # ring functions call is in record["calls"] (the probe wraps them) with its function.
 
 LESSON_FIT = dict(sizes=[2**k for k in range(10, 21)], world_size=4, latency=30e-6, busbw=6e9)
-LESSON_PREDICT = dict(shape=(2048, 4096), world_size=4, latency=1e-3, busbw=2e9)
+LESSON_PREDICT = dict(layers=4, width=2048, world_size=4, latency=1e-3, busbw=2e9)
 LESSON_RING_SHAPES = (((2,), "float32"), ((14,), "float32"), ((1001,), "float32"),
                       ((7, 33), "float64"))
 
@@ -682,6 +682,13 @@ def lesson_traces() -> dict:
             "gpu": ({"traceEvents": gpu, "displayTimeUnit": "ms"}, 1e-3)}
 
 
+def lesson_model(p: dict):
+    """A stack of square linear layers on the meta device (shapes only): 3 DDP buckets."""
+    import torch
+    return torch.nn.Sequential(*(torch.nn.Linear(p["width"], p["width"], device="meta")
+                                 for _ in range(p["layers"])))
+
+
 def lesson_call(fn, *args) -> dict:
     """{"value": what fn returned (numbers as floats)} or {"error": one line}."""
     try:
@@ -700,7 +707,6 @@ def lesson_call(fn, *args) -> dict:
 def collectives_lesson(probe, module) -> None:
     if not callable(getattr(module, "ring_all_reduce", None)):
         return
-    import torch
     lesson = probe.record["lesson"] = {}
     f = LESSON_FIT
     factor = 2 * (f["world_size"] - 1) / f["world_size"]
@@ -710,7 +716,7 @@ def collectives_lesson(probe, module) -> None:
                                     f["world_size"])
     if callable(getattr(module, "predict_ddp_allreduce_s", None)):
         p = LESSON_PREDICT
-        model = torch.nn.Linear(p["shape"][1], p["shape"][0], device="meta")
+        model = lesson_model(p)
         lesson["predict"] = lesson_call(module.predict_ddp_allreduce_s, model, p["world_size"],
                                         p["latency"], p["busbw"])
     if callable(getattr(module, "allreduce_seconds_per_step", None)):

@@ -42,7 +42,6 @@ from utils.metrics import synchronize, write_summary
 FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 
-
 # ---- the ring all-reduce ----
 def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor) -> None:
     """One step of the ring: send `send` to the next rank, (rank + 1) % n, and receive `recv`
@@ -99,13 +98,27 @@ def fit_alpha_beta(sizes: list[int], seconds: list[float], world_size: int
     return math.nan, math.nan
 
 
+def ddp_bucket_bytes(model: torch.nn.Module) -> list[int]:
+    """The bytes of each gradient bucket DDP all-reduces in a training step, as its Reducer
+    forms them after the first step: the gradients in the order backward produces them (about
+    the reverse of the parameters), a bucket closed once it holds FIRST_BUCKET_BYTES (the first)
+    or BUCKET_BYTES (the others). A parameter is never split: a big one (the output layer) fills
+    a bucket on its own. Gradients have their parameter's dtype: fp32, also under bf16 autocast."""
+    buckets, size, limit = [], 0, FIRST_BUCKET_BYTES
+    for p in reversed([p for p in model.parameters() if p.requires_grad]):
+        size += p.numel() * p.element_size()
+        if size >= limit:
+            buckets.append(size)
+            size, limit = 0, BUCKET_BYTES
+    return buckets + ([size] if size else [])
+
+
 def predict_ddp_allreduce_s(model: torch.nn.Module, world_size: int, latency: float,
                             busbw: float) -> float:
     """Seconds per training step that DDP's gradient all-reduce takes on `world_size` ranks."""
-    # TODO 53: The gradients have the parameters' size and dtype (fp32 also under bf16
-    # autocast): grad_bytes = sum of numel() x element_size() over the parameters. DDP sends them
-    # in one bucket of FIRST_BUCKET_BYTES, then buckets of BUCKET_BYTES (one all-reduce each,
-    # ceil of the rest), and each all-reduce costs latency + bytes x 2 (n - 1) / n / busbw.
+    buckets = ddp_bucket_bytes(model)
+    # TODO 53: One all-reduce per bucket, each costing the latency once plus its bytes moved over
+    # each link at the bus bandwidth: a ring all-reduce sends 2 (n - 1) / n times the bucket.
     return math.nan
 
 
@@ -243,8 +256,10 @@ def main():
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = TransformerLM(cfg)
     predicted = predict_ddp_allreduce_s(model, world_size, latency, busbw)
-    print0(f"model: {args.preset}, {model.num_params() / 1e6:.1f}M parameters; DDP's gradient "
-           f"all-reduce on {world_size} ranks, "
+    buckets = ddp_bucket_bytes(model)
+    print0(f"model: {args.preset}, {model.num_params() / 1e6:.1f}M parameters, "
+           f"{sum(buckets) / 1e6:.1f} MB of gradients in {len(buckets)} DDP buckets; all-reduce "
+           f"on {world_size} ranks, "
            + ("predicted: not done yet (TODO 53)" if math.isnan(predicted)
               else f"predicted: {predicted * 1e3:.2f} ms per step"))
 
@@ -268,6 +283,7 @@ def main():
         "sizes": [s for s, _ in measured], "allreduce_s": [t for _, t in measured],
         "fit_source": source, "latency_s": latency, "busbw_Bps": busbw,
         "preset": args.preset, "model_config": cfg.to_dict(), "parameters": model.num_params(),
+        "buckets": buckets,
         "predicted_s": predicted, "trace": str(trace_file) if trace_file else None,
         "trace_s": from_trace})
     destroy_process_group()

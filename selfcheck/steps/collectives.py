@@ -212,21 +212,31 @@ def check_fit(ctx, entry) -> None:
                f"recovered from exact times on {n} ranks")
 
 
+def ddp_buckets(p: dict) -> list[int]:
+    """The bucket sizes DDP forms for probe.lesson_model(p): in reverse order, a bucket closed
+    at 1 MiB (the first) or 25 MiB (the others)."""
+    sizes = [p["width"] * 4, p["width"] ** 2 * 4] * p["layers"]  # bias, weight of each layer
+    buckets, size, limit = [], 0, FIRST_BUCKET
+    for nbytes in sizes:
+        size += nbytes
+        if size >= limit:
+            buckets.append(size)
+            size, limit = 0, BUCKET
+    return buckets + ([size] if size else [])
+
+
 def check_prediction(ctx, entry) -> None:
     rep = ctx.report
     p = LESSON_PREDICT
     n, latency, busbw = p["world_size"], p["latency"], p["busbw"]
-    params = p["shape"][0] * p["shape"][1] + p["shape"][0]
-    grad = params * 4
-    buckets = 1 + -(-(grad - FIRST_BUCKET) // BUCKET)
-    factor = 2 * (n - 1) / n
-    want = buckets * latency + grad * factor / busbw
+    buckets = ddp_buckets(p)
+    grad, factor = sum(buckets), 2 * (n - 1) / n
+    want = len(buckets) * latency + grad * factor / busbw
     value = returned(entry, 53, rep, "predict_ddp_allreduce_s")
     if value is None:
         return
-    case = (f"for a model of {params:,} fp32 parameters on {n} ranks (latency "
-            f"{latency * 1e3:g} ms, busbw {busbw / 1e9:g} GB/s: {grad:,} bytes of gradients in "
-            f"{buckets} buckets)")
+    case = (f"for {len(buckets)} buckets of {', '.join(f'{b / 1e6:.1f}' for b in buckets)} MB on "
+            f"{n} ranks, latency {latency * 1e3:g} ms, busbw {busbw / 1e9:g} GB/s")
     if not isinstance(value, float) or value != value:
         rep.fail(53, f"predict_ddp_allreduce_s returned {value}: return the seconds per step "
                  f"{case}")
@@ -234,28 +244,23 @@ def check_prediction(ctx, entry) -> None:
     if near(value, want, 1e-4, 0):
         rep.ok(53, f"{want * 1e3:.2f} ms per step {case}")
         return
-    def time(nbytes, latencies=None, per_byte=factor):
-        count = 1 + -(-max(nbytes - FIRST_BUCKET, 0) // BUCKET) if latencies is None else latencies
-        return count * latency + nbytes * per_byte / busbw
+
+    def time(latencies=None, per_byte=factor):
+        latencies = len(buckets) if latencies is None else latencies
+        return latencies * latency + grad * per_byte / busbw
 
     hints = [
-        (time(grad, per_byte=1), "each byte crosses each link 2 (n - 1) / n times in a ring "
+        (time(per_byte=1), "each byte crosses each link 2 (n - 1) / n times in a ring "
          "all-reduce: bytes x 2 (n - 1) / n / busbw"),
-        (time(grad, latencies=1), f"one latency per bucket ({buckets} all-reduces), not one per "
+        (time(per_byte=(n - 1) / n), "(n - 1) / n is the factor of an all-gather or a "
+         "reduce-scatter; an all-reduce is both: 2 (n - 1) / n"),
+        (time(latencies=1), f"one latency per bucket ({len(buckets)} all-reduces), not one per "
          "step"),
-        (time(grad, latencies=0), f"add the latency of each of the {buckets} all-reduces"),
-        (time(params), "gradients take numel() x element_size() bytes (4 per fp32 element), "
-         "not numel()"),
-        (time(grad // 2), "the gradients are fp32 like the parameters (4 bytes each, also under "
-         "bf16 autocast)"),
-        (time(grad, latencies=buckets - 1), f"the first bucket holds FIRST_BUCKET_BYTES, the "
-         f"rest goes in ceil(rest / BUCKET_BYTES) buckets: {buckets}"),
-        (time(grad, latencies=buckets + 1), f"the first bucket holds FIRST_BUCKET_BYTES, the "
-         f"rest goes in ceil(rest / BUCKET_BYTES) buckets: {buckets}"),
+        (time(latencies=0), f"add the latency of each of the {len(buckets)} all-reduces"),
         (want * 1e3, "return seconds, not milliseconds"),
     ]
     why = next((text for guess, text in hints if near(value, guess, 1e-4, 0)),
-               "buckets x latency + gradient bytes x 2 (n - 1) / n / busbw")
+               "the sum over the buckets of latency + bytes x 2 (n - 1) / n / busbw")
     rep.fail(53, f"predicted {value:.5g} s, expected {want:.5g} s {case}: {why}")
 
 
@@ -336,12 +341,10 @@ HINTS = {
          "Least squares: slope = sum((x - mean_x) (y - mean_y)) / sum((x - mean_x)^2), latency "
          "= mean_y - slope mean_x; return latency, (1 / slope) x 2 (world_size - 1) / "
          "world_size."),
-    53: ("DDP all-reduces the gradients (as many bytes as the fp32 parameters) in buckets: a "
-         "small first one, then buckets of 25 MiB. Each all-reduce pays the latency once and "
-         "moves 2 (n - 1) / n of its bytes over each link.",
-         "grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters()); buckets = "
-         "1 + ceil((grad_bytes - FIRST_BUCKET_BYTES) / BUCKET_BYTES); return buckets x latency "
-         "+ grad_bytes x 2 (n - 1) / n / busbw."),
+    53: ("DDP all-reduces the gradients bucket by bucket (ddp_bucket_bytes lists them). Each "
+         "all-reduce pays the latency once and moves 2 (n - 1) / n of its bytes over each link.",
+         "factor = 2 * (world_size - 1) / world_size; return the sum over nbytes in buckets of "
+         "latency + nbytes * factor / busbw (seconds)."),
     54: ("A profiler trace is a list of events, each with a name, a category and a duration in "
          "microseconds. The all-reduce time is in the events that do the work (NCCL kernels on a "
          "GPU, gloo's ranges on a CPU), not in those that only launch them.",
