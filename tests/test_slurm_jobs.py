@@ -385,3 +385,47 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
             f"(step {step})") in job.log, job.describe()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == step + 2 and len(summary["loss_history"]) == step + 2
+
+
+# ------------------------------------------------------------- the network: collectives.sbatch
+def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_them(
+        slurm, tmp_path, text_dir, job_env):
+    """collectives.sbatch on 2 nodes x 2 CPU processes: the benchmark on one node and on both,
+    the comparison, the performance step's trace and the lesson (its solution) on both nodes.
+    The nodes have no NVIDIA driver: the topology and the NCCL transports say they do not apply."""
+    if not (ROOT / "collectives.sbatch").is_file():
+        pytest.skip("collectives.sbatch is not in this checkout yet")
+    out = tmp_path / "run"
+    job = slurm.sbatch(
+        "collectives.sbatch", "--preset", "tiny", "--data-dir", text_dir, "--log-every", "1",
+        "--batch-size", "4", output=out / "job.out", deadline=240,
+        env={**job_env, "OUT_DIR": out, "SCRIPT": "solutions/train/collectives.py",
+             "BENCH_ARGS": "--max-bytes 16K --iters 2 --warmup 1", "PERF_STEPS": 6,
+             "LESSON_ARGS": "--max-bytes 64K --iters 2 --warmup 1"})
+    assert job.completed, job.describe()
+    log, why = job.log, job.describe()
+    nodes = slurm.hostnames(job.node_list)
+    assert len(nodes) == 2, why
+    for node in nodes:  # the GPU-only parts say that they are skipped, on every node
+        assert f"nvidia-smi topo -m on {node}: skipped, no NVIDIA driver" in log, why
+    for run in ("one_node", "two_nodes"):
+        assert f"NCCL transport ({run}): not applicable, no NCCL log (gloo" in log, why
+
+    one, two = (json.loads((out / f"{name}.json").read_text()) for name in ("one_node",
+                                                                              "two_nodes"))
+    assert (one["meta"]["world_size"], one["meta"]["nodes"]) == (2, 1), why
+    assert (two["meta"]["world_size"], two["meta"]["nodes"]) == (4, 2), why
+    assert sorted(two["meta"]["hosts"]) == sorted(nodes), why
+    for result in (one, two):
+        assert {r["collective"] for r in result["records"]} == {
+            "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv"}
+        assert all(r["wrong"] == 0 for r in result["records"]), why
+    for png in ("one_node.png", "two_nodes.png", "compare.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+    assert "A = 1 node x 2 (gloo, cpu); B = 2 nodes x 2 (gloo, cpu)" in log, why
+
+    lesson = json.loads((out / "lesson" / "summary.json").read_text())
+    assert lesson["world_size"] == 4 and lesson["ring_wrong"] == 0, why
+    assert lesson["fit_source"].endswith("two_nodes.json (4 ranks)"), why
+    assert lesson["predicted_s"] > 0 and lesson["trace_s"] > 0, why
+    assert "of all-reduce per step" in log and "x the prediction" in log, why
