@@ -87,7 +87,7 @@ def test_a_plot_of_one_run_and_a_comparison_of_two(runs):
                            "--plot", tmp / "compare.png"], cwd=ROOT, env=script_env(),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    assert "A = 1 node x 2 (gloo, cpu)" in proc.stdout and "B = 1 node x 3 (gloo, cpu)" in proc.stdout
+    assert "A = 1 node x 2 (gloo, cpu); B = 1 node x 3 (gloo, cpu)" in proc.stdout
     # every collective at every size asked for, also where 3 ranks rounded the bytes down
     assert sum(l.split()[0] in ("1024", "2048", "4096", "8192")
                for l in proc.stdout.splitlines() if l.strip()) == 4 * len(OPS)

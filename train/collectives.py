@@ -245,6 +245,11 @@ def main():
               else "this run's dist.all_reduce")
     if math.isnan(busbw):
         print0(f"alpha-beta fit to {source}: not done yet (TODO 52)")
+    elif busbw <= 0:  # times that do not grow with the size say nothing about bandwidth
+        print0(f"alpha-beta fit to {source}: the times do not grow with the message size (noise, "
+               "or messages too small to see the bandwidth): no prediction; time bigger ones "
+               "(--max-bytes, or the benchmark's with --bench-json)")
+        busbw = math.nan
     else:
         print0(f"alpha-beta fit to {source}: latency {latency * 1e6:.1f} us, bus bandwidth "
                f"{busbw / 1e9:.3f} GB/s")
@@ -255,12 +260,14 @@ def main():
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = TransformerLM(cfg)
-    predicted = predict_ddp_allreduce_s(model, world_size, latency, busbw)
+    predicted = (predict_ddp_allreduce_s(model, world_size, latency, busbw)
+                 if not math.isnan(busbw) else math.nan)
     buckets = ddp_bucket_bytes(model)
     print0(f"model: {args.preset}, {model.num_params() / 1e6:.1f}M parameters, "
            f"{sum(buckets) / 1e6:.1f} MB of gradients in {len(buckets)} DDP buckets; all-reduce "
            f"on {world_size} ranks, "
-           + ("predicted: not done yet (TODO 53)" if math.isnan(predicted)
+           + ("predicted: needs a bus bandwidth (above)" if math.isnan(busbw)
+              else "predicted: not done yet (TODO 53)" if math.isnan(predicted)
               else f"predicted: {predicted * 1e3:.2f} ms per step"))
 
     # ---- 5. against the profiler's trace of the performance step ----
