@@ -64,7 +64,8 @@ def gpu_lines(host: str) -> list[tuple]:
     if torch.version.cuda is None:
         lines.append((FAIL, "CUDA, driver, NCCL", host,
                       f"torch {torch.__version__} is a CPU-only build, on a node with NVIDIA "
-                      f"driver {driver}: make the environment with TORCH_VARIANT=cuda bash setup_env.sh"))
+                      f"driver {driver}: make the environment with TORCH_VARIANT=cuda bash "
+                      "setup_env.sh"))
     else:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "?"
         lines.append((PASS, "CUDA, driver, NCCL", host,
