@@ -141,3 +141,13 @@ dist.destroy_process_group()
     for preset, (ddp, lesson) in found.items():
         assert ddp == lesson, preset
     assert len(found["tiny"][0]) == 2 and len(found["small"][0]) == 2
+
+
+def test_the_lesson_in_one_process_says_that_a_ring_needs_two_ranks(tmp_path):
+    proc = run_script("solutions/train/collectives.py", "--preset", "tiny", "--dataset",
+                      "synthetic", "--out-dir", tmp_path, check=False, timeout=120,
+                      env=script_env(cache_dir=tmp_path / "cache"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: a ring needs 2 or more ranks: torchrun --standalone --nproc_per_node=3 "
+        "train/collectives.py ...")
