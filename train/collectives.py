@@ -42,6 +42,7 @@ from utils.metrics import synchronize, write_summary
 FIRST_BUCKET_BYTES = 2**20
 BUCKET_BYTES = 25 * 2**20
 
+
 # ---- the ring all-reduce ----
 def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor) -> None:
     """One step of the ring: send `send` to the next rank, (rank + 1) % n, and receive `recv`
