@@ -207,7 +207,8 @@ def ring_differences(device: torch.device, world_size: int) -> tuple[int, int]:
     generator = torch.Generator().manual_seed(dist.get_rank())
     for shape, dtype in (((max(world_size - 1, 1),), torch.float32), ((1001,), torch.float32),
                          ((7, 33), torch.float64), ((2**16 + 3,), torch.float32)):
-        data = torch.randint(-8, 8, shape, generator=generator).to(dtype).to(device)
+        # drawn on the CPU (its generator gives the same numbers for every device), then moved
+        data = torch.randint(-8, 8, shape, generator=generator, device="cpu").to(device, dtype)
         expected = data.clone()
         dist.all_reduce(expected)
         mine = ring_all_reduce(data.clone())
