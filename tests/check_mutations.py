@@ -16,6 +16,7 @@ TP = "train/tp_training.py"
 PP = "train/pp_training.py"
 PERF = "train/perf_training.py"
 PERF_SBATCH = "perf_training.sbatch"
+COLL = "train/collectives.py"
 
 MISTAKES = [
     # ---- DDP ---------------------------------------------------------------------------
@@ -394,6 +395,54 @@ MISTAKES = [
      [(" --force-overwrite=true", "")]),
     ("perf-sbatch", PERF_SBATCH, "the report in the submit folder", 48,
      [('-o "$OUT_DIR/nsys"', "-o nsys")]),
+    # ---- collectives (issue 20) --------------------------------------------------------
+    ("collectives", COLL, "the ring turned the wrong way round", 49,
+     [("right, left = (rank + 1) % n, (rank - 1) % n", "right, left = (rank - 1) % n, (rank + 1) % n")]),
+    ("collectives", COLL, "a blocking send before the receive", 49,
+     [("    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),\n"
+       "                                       dist.P2POp(dist.irecv, recv, left)])\n"
+       "    for request in requests:\n        request.wait()\n",
+       "    dist.send(send, right)\n    dist.recv(recv, left)\n")]),
+    ("collectives", COLL, "the sum kept in the list, not in the tensor", 50,
+     [("chunks[into] += received", "chunks[into] = chunks[into] + received")]),
+    ("collectives", COLL, "the received chunk overwrites instead of adding", 50,
+     [("        received = torch.empty_like(chunks[into])\n"
+       "        send_right_receive_left(chunks[send], received)\n"
+       "        chunks[into] += received\n",
+       "        send_right_receive_left(chunks[send], chunks[into])\n")]),
+    ("collectives", COLL, "the all-gather with the reduce-scatter's indices", 51,
+     [("send, into = (rank + 1 - step) % n, (rank - step) % n",
+       "send, into = (rank - step) % n, (rank - step - 1) % n")]),
+    ("collectives", COLL, "the all-gather adds what it receives", 51,
+     [("        send_right_receive_left(chunks[send], chunks[into])\n",
+       "        received = torch.empty_like(chunks[into])\n"
+       "        send_right_receive_left(chunks[send], received)\n"
+       "        chunks[into] += received\n")]),
+    ("collectives", COLL, "the algorithm bandwidth returned as bus bandwidth", 52,
+     [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
+       "return latency, 1 / slope")]),
+    ("collectives", COLL, "all-gather's bus factor for an all-reduce", 52,
+     [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
+       "return latency, (1 / slope) * (world_size - 1) / world_size")]),
+    ("collectives", COLL, "the ring's 2 (n - 1) / n forgotten", 53,
+     [("latency + nbytes * factor / busbw", "latency + nbytes / busbw")]),
+    ("collectives", COLL, "all-gather's factor for DDP's all-reduce", 53,
+     [("    factor = 2 * (world_size - 1) / world_size\n    return sum(",
+       "    factor = (world_size - 1) / world_size\n    return sum(")]),
+    ("collectives", COLL, "one latency per step, not per bucket", 53,
+     [("return sum(latency + nbytes * factor / busbw for nbytes in buckets)",
+       "return latency + sum(nbytes * factor / busbw for nbytes in buckets)")]),
+    ("collectives", COLL, "the launches counted instead of gloo's all-reduces", 54,
+     [("""    gloo = [e for e in events if e.get("cat") == "user_annotation"
+            and e.get("name") == "gloo:all_reduce"]""",
+       """    gloo = [e for e in events if e.get("name") == "c10d::allreduce_"]""")]),
+    ("collectives", COLL, "the all-reduce time of all steps together", 54,
+     [("return sum(e[\"dur\"] for e in kernels or gloo) / 1e6 / steps",
+       "return sum(e[\"dur\"] for e in kernels or gloo) / 1e6")]),
+    ("collectives", COLL, "the GPU copies of the step ranges counted too", 54,
+     [("""    steps = sum(1 for e in events if e.get("cat") == "user_annotation"
+                and e.get("name", "").startswith("ProfilerStep#"))""",
+       """    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))""")]),
 ]
 
 # Right solutions written another way: the check must call them all good.
@@ -448,4 +497,27 @@ CORRECT = [
     ("perf-sbatch", PERF_SBATCH, "nsys options spelled out",
      [('-t "${NSYS_TRACE:-cuda,nvtx,nccl}" -o "$OUT_DIR/nsys" --force-overwrite=true',
        '--trace="${NSYS_TRACE:-cuda,nvtx,nccl}" --output="$OUT_DIR/nsys" --force-overwrite true')]),
+    # ---- collectives (issue 20) --------------------------------------------------------
+    ("collectives", COLL, "isend and irecv on their own",
+     [("    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),\n"
+       "                                       dist.P2POp(dist.irecv, recv, left)])\n"
+       "    for request in requests:\n        request.wait()\n",
+       "    sending = dist.isend(send, right)\n    receiving = dist.irecv(recv, left)\n"
+       "    sending.wait()\n    receiving.wait()\n")]),
+    ("collectives", COLL, "add_ in place",
+     [("chunks[into] += received", "chunks[into].add_(received)")]),
+    ("collectives", COLL, "the fit by statistics.linear_regression",
+     [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    latency = mean_y - slope * mean_x
+""", """    import statistics
+    slope, latency = statistics.linear_regression(sizes, seconds)
+""")]),
+    ("collectives", COLL, "the trace read with a loop in milliseconds",
+     [("""    return sum(e["dur"] for e in kernels or gloo) / 1e6 / steps""",
+       """    total_ms = 0.0
+    for e in kernels or gloo:
+        total_ms += e["dur"] / 1000
+    return total_ms / steps / 1000""")]),
 ]

@@ -78,6 +78,26 @@ def test_every_rank_writes_its_own_trace(runs):
         assert PHASES <= trace_event_names(trace)
 
 
+def test_the_collectives_lesson_finds_ddps_all_reduces_in_the_trace_one_per_bucket(runs):
+    """train/collectives.py (TODOs 53 and 54) on the two-rank trace: gloo's all-reduces per
+    profiled step are DDP's buckets, as ddp_bucket_bytes forms them, and the loss's one."""
+    from conftest import load_script
+    from model import TransformerLM
+    from model.transformer import ModelConfig
+    tmp, _ = runs
+    lesson = load_script("solutions/train/collectives.py")
+    [trace] = (tmp / "two" / "profile").glob("rank0.*.pt.trace.json")
+    events = json.loads(trace.read_text())["traceEvents"]
+    steps = sum(e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep#")
+                for e in events)
+    all_reduces = [e for e in events if e.get("name") == "gloo:all_reduce"]
+    with torch.device("meta"):
+        model = TransformerLM(ModelConfig(**read_summary(tmp / "two")["model_config"]))
+    assert steps == 3 and len(all_reduces) == 3 * (len(lesson.ddp_bucket_bytes(model)) + 1)
+    seconds = lesson.allreduce_seconds_per_step(json.loads(trace.read_text()))
+    assert seconds == pytest.approx(sum(e["dur"] for e in all_reduces) / 1e6 / 3) and seconds > 0
+
+
 @pytest.mark.parametrize("steps, window", [(100, (1, 2, 3)), (6, (1, 2, 3)), (5, (0, 1, 4)),
                                            (2, (0, 1, 1)), (1, None), (0, None)])
 def test_the_profiling_window_fits_into_the_steps_of_the_run(steps, window):

@@ -100,7 +100,8 @@ def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
 
 def test_every_deck_is_marp_and_sorts_in_course_order():
     names = [d.name for d in decks()]
-    assert names[:4] == ["00a-why.md", "00b-ranks.md", "00c-collectives.md", "00d-data.md"]
+    assert names[:5] == ["00a-why.md", "00b-ranks.md", "00c-collectives.md",
+                         "00c2-collective-costs.md", "00d-data.md"]
     for deck in decks():
         head = deck.read_text().split("\n---\n", 1)[0]
         assert head.startswith("---\n") and "marp: true" in head, f"{deck.name}: no marp front matter"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,3 +386,114 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
             f"(step {step})") in job.log, job.describe()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == step + 2 and len(summary["loss_history"]) == step + 2
+
+
+# ------------------------------------------------------------- the network: collectives.sbatch
+def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_them(
+        slurm, tmp_path, text_dir, job_env):
+    """collectives.sbatch on 2 nodes x 2 CPU processes: the benchmark on one node and on both,
+    the comparison, the performance step's trace and the lesson (its solution) on both nodes.
+    The nodes have no NVIDIA driver: the topology and the NCCL transports say they do not apply."""
+    if not (ROOT / "collectives.sbatch").is_file():
+        pytest.skip("collectives.sbatch is not in this checkout yet")
+    out = tmp_path / "run"
+    job = slurm.sbatch(
+        "collectives.sbatch", "--preset", "tiny", "--data-dir", text_dir, "--log-every", "1",
+        "--batch-size", "4", output=out / "job.out", deadline=240,
+        env={**job_env, "OUT_DIR": out, "SCRIPT": "solutions/train/collectives.py",
+             "BENCH_ARGS": "--max-bytes 1M --iters 3 --warmup 1", "PERF_STEPS": 6,
+             "LESSON_ARGS": "--max-bytes 64K --iters 2 --warmup 1"})
+    assert job.completed, job.describe()
+    log, why = job.log, job.describe()
+    nodes = slurm.hostnames(job.node_list)
+    assert len(nodes) == 2, why
+    for node in nodes:  # the GPU-only parts say that they are skipped, on every node
+        assert f"nvidia-smi topo -m on {node}: skipped, no NVIDIA driver" in log, why
+    for run in ("one_node", "two_nodes"):
+        assert f"NCCL transport ({run}): not applicable, no NCCL log (gloo" in log, why
+
+    one, two = (json.loads((out / f"{name}.json").read_text()) for name in ("one_node",
+                                                                              "two_nodes"))
+    assert (one["meta"]["world_size"], one["meta"]["nodes"]) == (2, 1), why
+    assert (two["meta"]["world_size"], two["meta"]["nodes"]) == (4, 2), why
+    assert sorted(two["meta"]["hosts"]) == sorted(nodes), why
+    for result in (one, two):
+        assert {r["collective"] for r in result["records"]} == {
+            "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv"}
+        assert all(r["wrong"] == 0 for r in result["records"]), why
+    for png in ("one_node.png", "two_nodes.png", "compare.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG", png
+    assert "A = 1 node x 2 (gloo, cpu); B = 2 nodes x 2 (gloo, cpu)" in log, why
+
+    lesson = json.loads((out / "lesson" / "summary.json").read_text())
+    assert lesson["world_size"] == 4 and lesson["ring_wrong"] == 0, why
+    assert lesson["fit_source"].endswith("two_nodes.json (4 ranks)"), why
+    assert lesson["trace_s"] > 0 and "ms of all-reduce per step" in log, why
+    # two CPU processes per node on a shared CI machine: the times may not grow with the size
+    assert (lesson["predicted_s"] > 0 and "x the prediction" in log) or (
+        "the times do not grow with the message size" in log), why
+
+
+# ------------------------------------------------------------- the day before: preflight.sbatch
+def preflight_table(log: str) -> dict[tuple[str, str], tuple[str, str]]:
+    """{(check, where): (status, detail)} from the table at the end of a preflight log."""
+    rows = {}
+    for line in log.split("\nSTATUS  CHECK")[-1].splitlines()[1:]:
+        m = re.match(r"^(PASS|WARN|FAIL|N/A) +(.+?)  +(\S+)  +(.*)$", line)
+        if m:
+            rows[(m.group(2), m.group(3))] = (m.group(1), m.group(4))
+    return rows
+
+
+def test_preflight_passes_on_cpu_nodes_with_every_gpu_line_not_applicable(slurm, tmp_path,
+                                                                           text_dir, job_env):
+    if not (ROOT / "preflight.sbatch").is_file():
+        pytest.skip("preflight.sbatch is not in this checkout yet")
+    job = slurm.sbatch("preflight.sbatch", output=tmp_path / "job.out", deadline=180,
+                       env={**job_env, "DATA_DIR": text_dir, "RUNS_DIR": tmp_path / "runs",
+                            "OUT_DIR": tmp_path / "preflight"})
+    assert job.completed, job.describe()
+    rows, why = preflight_table(job.log), job.describe()
+    nodes = slurm.hostnames(job.node_list)
+    for node in nodes:
+        assert rows[("torch", node)][0] == "PASS", why
+        for check in ("CUDA, driver, NCCL", "GPUs visible"):
+            status, detail = rows[(check, node)]
+            assert status == "N/A" and "no NVIDIA driver on this node" in detail, why
+        assert rows[("data cache", node)][0] == "PASS", why
+        assert rows[("output folder", node)][0] == "PASS", why
+    assert rows[("InfiniBand name", nodes[0])] == (
+        "PASS", f"{nodes[0]}i resolves to {slurm.addresses()[nodes[0] + 'i']}: the job files "
+        "use it") if slurm.local else rows[("InfiniBand name", nodes[0])][0] in ("PASS", "WARN")
+    status, detail = rows[("c10d rendezvous", "job")]
+    assert status == "PASS" and "4 ranks on 2 nodes" in detail, why
+    for check in ("all-reduce inside a node", "all-reduce across nodes"):
+        status, detail = rows[(check, "job")]
+        assert status == "N/A" and "GB/s bus bandwidth" in detail and "gloo on CPUs" in detail
+    assert rows[("GPU test suite", nodes[0])][0] == "N/A", why
+    assert not any(status in ("PASS", "WARN") and "GPU" in check
+                   for (check, _), (status, _) in rows.items() if check != "InfiniBand name")
+    assert re.search(r"^preflight: \d+ PASS, 0 WARN, 0 FAIL, \d+ N/A: ready$", job.log, re.M), why
+
+
+def test_a_broken_rendezvous_and_a_missing_cache_fail_the_preflight_with_what_to_do(
+        slurm, tmp_path, job_env):
+    if not (ROOT / "preflight.sbatch").is_file():
+        pytest.skip("preflight.sbatch is not in this checkout yet")
+    job = slurm.sbatch("preflight.sbatch", output=tmp_path / "job.out", deadline=180,
+                       env={**job_env, "COURSE_DATA_CACHE": tmp_path / "no-cache",
+                            "MASTER_ADDR": "node-nowhere", "RDZV_TIMEOUT": 5,
+                            "RUNS_DIR": tmp_path / "runs", "GPU_TESTS": 0})
+    assert job.state == "FAILED", job.describe()
+    rows, why = preflight_table(job.log), job.describe()
+    status, detail = rows[("c10d rendezvous", "node-nowhere:" + detail_port(job.log))]
+    assert status == "FAIL" and "could not join" in detail, why
+    assert "check that node-nowhere resolves and answers from every node" in detail, why
+    for node in slurm.hostnames(job.node_list):
+        status, detail = rows[("data cache", node)]
+        assert status == "FAIL" and "run `python prepare_data.py` on a login node" in detail, why
+    assert "fix the FAIL lines before the course" in job.log, why
+
+
+def detail_port(log: str) -> str:
+    return re.search(r"^MASTER_ADDR=\S+ MASTER_PORT=(\d+)$", log, re.M).group(1)

@@ -68,6 +68,19 @@ def positive_int_list(text: str) -> list[int]:
     return [positive_int(n) for n in text.split(",")]
 
 
+def byte_size(text: str) -> int:
+    """A message size in bytes, with nccl-tests' binary suffixes: 1024, 64K, 8M, 1G."""
+    import re
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(i?B)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes, e.g. 1024, 64K, "
+                                         "8M or 1G")
+    value = int(m.group(1)) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m.group(2).upper()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not allowed: give at least 1 byte")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)

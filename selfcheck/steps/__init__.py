@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import importlib
 
-ORDER = ("ddp", "sbatch", "fsdp", "tp", "pp", "perf", "perf-sbatch")
+ORDER = ("ddp", "sbatch", "fsdp", "tp", "pp", "perf", "perf-sbatch", "collectives")
 MODULES = {"ddp": "ddp", "sbatch": "sbatch", "fsdp": "fsdp", "tp": "tp", "pp": "pp",
-           "perf": "perf", "perf-sbatch": "perf_sbatch"}
+           "perf": "perf", "perf-sbatch": "perf_sbatch", "collectives": "collectives"}
 
 
 def step(name: str):

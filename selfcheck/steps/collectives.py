@@ -1,0 +1,354 @@
+"""The collectives lesson, train/collectives.py (TODOs 49-54): a ring all-reduce by hand, the
+alpha-beta model, DDP's all-reduce per step, and the time a profiler trace shows.
+
+Your script runs as 3 ranks on one node (with 2, left and right are the same neighbour and a
+ring that sends the wrong way still works), with a made-up profiler trace as --trace. The probe
+calls your functions with inputs whose answers are known (selfcheck/probe.py, the block of the
+collectives lesson): one send/receive step, the reduce-scatter and the all-gather each on their
+own (with a correct send/receive step, so that each is judged apart), the whole ring on tensors
+of several shapes and dtypes, the fit on exact times of a known latency and bus bandwidth, the
+prediction for a known model, and the trace reading on a gloo and an NCCL trace.
+"""
+
+from __future__ import annotations
+
+import json
+
+from selfcheck.compare import near
+from selfcheck.probe import LESSON_FIT, LESSON_PREDICT, lesson_traces
+from selfcheck.runs import Geometry, Run
+from selfcheck.steps.common import calls, report_crash
+
+FILE = "train/collectives.py"
+WHAT = "collectives by hand: ring all-reduce, alpha-beta fit, DDP's all-reduce per step"
+TODOS = {49: "send and receive", 50: "reduce-scatter", 51: "all-gather", 52: "alpha-beta fit",
+         53: "DDP's all-reduce per step", 54: "all-reduce time in a trace"}
+RING = Geometry(1, 3)
+ARGS = ["--max-bytes", "16K", "--iters", "2", "--warmup", "1"]
+FIRST_BUCKET, BUCKET = 2**20, 25 * 2**20
+RING_PARTS = {"send_right_receive_left": 49, "ring_reduce_scatter": 50, "ring_all_gather": 51}
+RING_CAUSE = ("in a ring every rank sends at the same moment: post the send and the receive "
+              "together (batch_isend_irecv, or isend and irecv) before waiting, each rank sending "
+              "to (rank + 1) % n and receiving from (rank - 1) % n, and the chunk received the "
+              "one its left neighbour sends (same index, same size)")
+
+
+def check(ctx) -> None:
+    rep = ctx.report
+    trace_dir = ctx.work / "perf-run"
+    (trace_dir / "profile").mkdir(parents=True)
+    trace, _ = lesson_traces()["cpu"]
+    (trace_dir / "profile" / "rank0.1.pt.trace.json").write_text(json.dumps(trace))
+    run = Run(ctx.work, "yours", ctx.script, 4, geometry=RING,
+              extra=[*ARGS, "--trace", str(trace_dir)]).wait()
+    # what the probe found out before a crash comes first (gloo aborts a rank that receives
+    # a message of the wrong size: its record is lost, the others' are kept)
+    lessons = [r["lesson"] for r in run.ranks if r and r.get("lesson")]
+    if lessons:
+        check_fit(ctx, lessons[0].get("fit"))
+        check_prediction(ctx, lessons[0].get("predict"))
+        check_trace(ctx, lessons[0].get("trace"))
+        rings = {lesson["ring"]["rank"]: lesson["ring"] for lesson in lessons
+                 if lesson.get("ring")}
+        if rings:
+            check_ring(ctx, run, rings)
+    if run.crashed:
+        failure = run.failure
+        in_ring = failure is not None and failure.func in RING_PARTS
+        if not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
+            report_crash(ctx, run, cause=RING_CAUSE if in_ring and (
+                failure.kind in ("hung", "timeout") or failure.peer or "size" in
+                failure.message) else None)
+        rep.note(f"(full output: {run.dir / 'output.txt'})")
+
+
+# ------------------------------------------------------------------------------ the ring
+def collectives_in(run, function: str) -> list[str]:
+    """The collectives (not point-to-point messages) a ring function of the script called."""
+    names = ("dist.all_reduce", "dist.broadcast", "dist.all_gather", "dist.all_gather_single",
+             "dist.all_gather_into_tensor", "dist.reduce_scatter", "dist.reduce_scatter_single",
+             "dist.reduce_scatter_tensor", "dist.all_to_all", "dist.all_to_all_single",
+             "dist.reduce", "all_reduce_sum", "all_reduce_mean")
+    return sorted({c["name"] for name in names for c in calls(run, name)
+                   if c["func"] == function})
+
+
+def check_ring(ctx, run, rings: dict) -> None:
+    """`rings`: rank -> what the probe found on that rank (the ranks that wrote a record)."""
+    rep = ctx.report
+    n = RING.world
+    for function, todo in RING_PARTS.items():
+        used = collectives_in(run, function)
+        if used:
+            rep.fail(todo, f"{function} calls {', '.join(used)}: the ring is made of "
+                     "point-to-point messages only (isend/irecv to the neighbours)")
+    # TODO 49: one step of the ring
+    exchange = {rank: r["exchange"] for rank, r in rings.items() if r.get("exchange")}
+    if exchange and not rep.failed(49):
+        bad = next((r for r, e in exchange.items() if e["received"] != [e["left"]]), None)
+        if bad is None and len(exchange) < n:
+            pass  # a rank died before it could say: the crash is the news
+        elif bad is None and all(e["sent_intact"] for e in exchange.values()):
+            rep.ok(49, f"each of {n} ranks receives its left neighbour's tensor and sends its own "
+                   "to the right")
+        elif bad is None:
+            rep.fail(49, "the tensor to send changed: send `send` as it is, receive into `recv`")
+        else:
+            e = exchange[bad]
+            if e["received"] == [-1.0]:
+                why = ("recv is never filled: post dist.irecv(recv, left) next to the send "
+                       "(or a P2POp with dist.irecv in batch_isend_irecv) and wait() for both")
+            elif e["received"] == [e["right"]]:
+                why = ("it received from its right neighbour: send to (rank + 1) % n, receive "
+                       "from (rank - 1) % n")
+            elif e["received"] == [100.0 + bad]:
+                why = "it received its own tensor: receive from the left neighbour, (rank - 1) % n"
+            else:
+                why = (f"it holds {e['received'][:3]}: send `send` to (rank + 1) % n and receive "
+                       "`recv` from (rank - 1) % n, then wait() for both requests")
+            rep.fail(49, f"on {n} ranks, rank {bad} should receive rank {(bad - 1) % n}'s "
+                     f"tensor ({e['left']:g}), but {why}")
+    # TODO 50: the reduce-scatter (with a correct send/receive step)
+    scatter = {rank: r["reduce_scatter"] for rank, r in rings.items() if r.get("reduce_scatter")}
+    if len(scatter) == n and not rep.failed(50):
+        wrong = [(r, s) for r, s in scatter.items() if s["expected"] not in s["complete"]]
+        if not wrong:
+            rep.ok(50, f"after it, rank r holds the complete sum of chunk (r + 1) % n ({n} ranks, "
+                   "chunks of unequal sizes)")
+        else:
+            r, s = wrong[0]
+            if s["expected"] in s["complete_in_list"]:
+                why = ("the sum is only in the list: chunks[i] = chunks[i] + received makes a new "
+                       "tensor; add in place, chunks[i] += received (the chunks are views)")
+            elif not s["changed"]:
+                why = ("the tensor is unchanged: n - 1 steps, each sending chunk (rank - step) % n "
+                       "and adding the received one to chunk (rank - step - 1) % n")
+            elif s["complete"]:
+                why = (f"rank {r} ends with the sum of chunk {s['complete'][0]}, the all-gather "
+                       f"expects chunk (rank + 1) % n = {s['expected']}: in step s send chunk "
+                       "(rank - s) % n, add into chunk (rank - s - 1) % n")
+            else:
+                why = ("no chunk holds the whole sum: n - 1 steps (range(n - 1)), in step s send "
+                       "chunk (rank - s) % n and add the received one into chunk "
+                       "(rank - s - 1) % n")
+            rep.fail(50, f"rank {r} should hold the sum over all ranks of chunk {s['expected']}: "
+                     f"{why}")
+    # TODO 51: the all-gather (from the state a right reduce-scatter leaves)
+    gather = {rank: r["all_gather"] for rank, r in rings.items() if r.get("all_gather")}
+    if len(gather) == n and not rep.failed(51):
+        wrong = [(r, g) for r, g in gather.items() if g["wrong"]]
+        if not wrong:
+            rep.ok(51, "every rank ends with all n complete chunks")
+        else:
+            r, g = wrong[0]
+            missing = sorted(set(range(n)) - set(g["complete"]))
+            rep.fail(51, f"rank {r} ends without the complete chunk(s) {missing}: n - 1 steps, in "
+                     "step s send chunk (rank + 1 - s) % n and receive into chunk (rank - s) % n "
+                     "(nothing to add)")
+    # the whole ring, with the script's own parts: its verdict belongs to the parts
+    whole = [r["all_reduce"] for r in rings.values() if r.get("all_reduce")]
+    if any(w["wrong"] for w in whole) and all(
+            rep.judged(t) and not rep.failed(t) for t in RING_PARTS.values()):
+        w = next(w for w in whole if w["wrong"])
+        rep.fail(50, f"each part works alone, yet ring_all_reduce gets {w['wrong']} of "
+                 f"{w['elements']} elements wrong (tensors {', '.join(w['failed'])}): the parts "
+                 "must agree on which chunk goes where (the TODO comments' indices)")
+
+
+# ------------------------------------------------------------------------------ the numbers
+def returned(entry, todo, rep, what) -> object | None:
+    if entry is None:
+        rep.fail(todo, f"{what} is missing from the script")
+        return None
+    if "error" in entry:
+        rep.fail(todo, f"{what} raised {entry['error']}")
+        return None
+    return entry["value"]
+
+
+def check_fit(ctx, entry) -> None:
+    rep = ctx.report
+    f = LESSON_FIT
+    n, want_latency, want_busbw = f["world_size"], f["latency"], f["busbw"]
+    value = returned(entry, 52, rep, "fit_alpha_beta")
+    if value is None:
+        return
+    case = (f"for all-reduce times of exactly {want_latency * 1e6:g} us + size / "
+            f"{want_busbw * n / (2 * (n - 1)) / 1e9:g} GB/s on {n} ranks")
+    if not isinstance(value, list) or len(value) != 2 or any(isinstance(v, str) for v in value):
+        rep.fail(52, f"fit_alpha_beta returned {value}: return (latency, busbw) as two numbers")
+        return
+    latency, busbw = value
+    if busbw != busbw:  # NaN: not done
+        rep.fail(52, "fit_alpha_beta returns NaN: fit the line and return (latency, bus "
+                 "bandwidth)")
+        return
+    algbw = want_busbw * n / (2 * (n - 1))
+    problems = []
+    if not near(latency, want_latency, 1e-3, 1e-9):
+        if near(latency, want_latency * 1e6, 1e-3):
+            problems.append("the latency is in microseconds: return seconds")
+        else:
+            problems.append(f"the latency comes out {latency:.4g} s instead of {want_latency:g} "
+                            "s: it is the line's intercept, mean y - slope x mean x")
+    if not near(busbw, want_busbw, 1e-3, 0):
+        ratio = busbw / want_busbw if want_busbw else 0
+        if near(busbw, algbw, 1e-3, 0):
+            problems.append("that is the algorithm bandwidth 1 / slope; the bus bandwidth is "
+                            "that times 2 (n - 1) / n")
+        elif near(ratio, 0.5, 1e-3, 0):
+            problems.append("(n - 1) / n is the factor of all-gather and reduce-scatter; an "
+                            "all-reduce moves twice that: 2 (n - 1) / n")
+        elif near(busbw, 1 / algbw, 1e-3, 0) or busbw < 1:
+            problems.append("the bandwidth is 1 / slope, in bytes per second")
+        else:
+            problems.append(f"the bus bandwidth comes out {busbw / 1e9:.4g} GB/s instead of "
+                            f"{want_busbw / 1e9:g}: least-squares slope of seconds against "
+                            "bytes, bandwidth 1 / slope x 2 (n - 1) / n")
+    if problems:
+        rep.fail(52, f"{case}: " + "; ".join(problems))
+    else:
+        rep.ok(52, f"latency {want_latency * 1e6:g} us and bus bandwidth {want_busbw / 1e9:g} GB/s "
+               f"recovered from exact times on {n} ranks")
+
+
+def ddp_buckets(p: dict) -> list[int]:
+    """The bucket sizes DDP forms for probe.lesson_model(p): in reverse order, a bucket closed
+    at 1 MiB (the first) or 25 MiB (the others)."""
+    sizes = [p["width"] * 4, p["width"] ** 2 * 4] * p["layers"]  # bias, weight of each layer
+    buckets, size, limit = [], 0, FIRST_BUCKET
+    for nbytes in sizes:
+        size += nbytes
+        if size >= limit:
+            buckets.append(size)
+            size, limit = 0, BUCKET
+    return buckets + ([size] if size else [])
+
+
+def check_prediction(ctx, entry) -> None:
+    rep = ctx.report
+    p = LESSON_PREDICT
+    n, latency, busbw = p["world_size"], p["latency"], p["busbw"]
+    buckets = ddp_buckets(p)
+    grad, factor = sum(buckets), 2 * (n - 1) / n
+    want = len(buckets) * latency + grad * factor / busbw
+    value = returned(entry, 53, rep, "predict_ddp_allreduce_s")
+    if value is None:
+        return
+    case = (f"for {len(buckets)} buckets of {', '.join(f'{b / 1e6:.1f}' for b in buckets)} MB on "
+            f"{n} ranks, latency {latency * 1e3:g} ms, busbw {busbw / 1e9:g} GB/s")
+    if not isinstance(value, float) or value != value:
+        rep.fail(53, f"predict_ddp_allreduce_s returned {value}: return the seconds per step "
+                 f"{case}")
+        return
+    if near(value, want, 1e-4, 0):
+        rep.ok(53, f"{want * 1e3:.2f} ms per step {case}")
+        return
+
+    def time(latencies=None, per_byte=factor):
+        latencies = len(buckets) if latencies is None else latencies
+        return latencies * latency + grad * per_byte / busbw
+
+    hints = [
+        (time(per_byte=1), "each byte crosses each link 2 (n - 1) / n times in a ring "
+         "all-reduce: bytes x 2 (n - 1) / n / busbw"),
+        (time(per_byte=(n - 1) / n), "(n - 1) / n is the factor of an all-gather or a "
+         "reduce-scatter; an all-reduce is both: 2 (n - 1) / n"),
+        (time(latencies=1), f"one latency per bucket ({len(buckets)} all-reduces), not one per "
+         "step"),
+        (time(latencies=0), f"add the latency of each of the {len(buckets)} all-reduces"),
+        (want * 1e3, "return seconds, not milliseconds"),
+    ]
+    why = next((text for guess, text in hints if near(value, guess, 1e-4, 0)),
+               "the sum over the buckets of latency + bytes x 2 (n - 1) / n / busbw")
+    rep.fail(53, f"predicted {value:.5g} s, expected {want:.5g} s {case}: {why}")
+
+
+def check_trace(ctx, entries) -> None:
+    rep = ctx.report
+    if entries is None:
+        rep.fail(54, "allreduce_seconds_per_step is missing from the script")
+        return
+    wanted = {kind: want for kind, (_, want) in lesson_traces().items()}
+    what = {"cpu": "a CPU (gloo) trace with 3 profiled steps",
+            "gpu": "a GPU (NCCL) trace with 2 profiled steps"}
+    hints = {  # kind -> [(wrong value, what to change)]
+        "cpu": [(7e-3 * 3, "divide by the number of ProfilerStep#N events"),
+                (7.0, "dur is in microseconds: divide by 1e6 for seconds"),
+                (0.0, "on a CPU there are no kernels: count the gloo:all_reduce ranges"),
+                (600e-6 / 3, "c10d::allreduce_ only launches the all-reduce: count the "
+                 "gloo:all_reduce ranges (gloo's own thread)"),
+                ((21000 + 600) / 1e6 / 3, "c10d::allreduce_ only launches the all-reduce: count "
+                 "the gloo:all_reduce ranges alone")],
+        "gpu": [(1e-3 * 2, "divide by the number of profiled steps"),
+                (1e-3 / 2, "count the ProfilerStep#N events of category user_annotation only "
+                 "(a GPU trace repeats them as gpu_user_annotation)"),
+                (1.0, "dur is in microseconds: divide by 1e6 for seconds"),
+                ((2000 + 1950) / 1e6 / 2, "count only the AllReduce kernels: nccl:all_reduce "
+                 "(gpu_user_annotation) covers the same time again"),
+                ((2000 + 180) / 1e6 / 2, "count only the AllReduce kernels: nccl:all_reduce "
+                 "on the CPU only launches them"),
+                ((2000 + 120) / 1e6 / 2, "count only the AllReduce kernels: c10d::allreduce_ "
+                 "only launches them"),
+                ((2000 + 900) / 1e6 / 2, "count the AllReduce kernels only (FSDP's AllGather "
+                 "is another collective)"),
+                (0.0, "on a GPU count the kernels (category kernel, AllReduce in the name)")]}
+    problems, seen_nan = [], False
+    for kind, want in wanted.items():
+        entry = entries.get(kind)
+        value = returned(entry, 54, rep, "allreduce_seconds_per_step")
+        if value is None:
+            return
+        if not isinstance(value, float) or value != value:
+            seen_nan = True
+            continue
+        if not near(value, want, 1e-4, 1e-12):
+            why = next((text for guess, text in hints[kind] if near(value, guess, 1e-4, 1e-12)),
+                       "add up the durations of the all-reduces, divide by the profiled steps "
+                       "and by 1e6")
+            problems.append(f"{what[kind]}: {value:.4g} s per step instead of {want:g}: {why}")
+    if seen_nan:
+        rep.fail(54, "allreduce_seconds_per_step returns NaN: add up the all-reduce durations "
+                 "and divide by the profiled steps")
+    elif problems:
+        rep.fail(54, "; ".join(problems[:2]))
+    else:
+        rep.ok(54, "7 ms per step from a gloo trace and 1 ms from an NCCL trace, launches and "
+               "GPU copies of the ranges left out")
+
+
+HINTS = {
+    49: ("A ring step moves one tensor to the next rank while the previous rank's tensor "
+         "arrives. If every rank first sent and then received, every rank would wait in its "
+         "send for a receive that nobody posts yet.",
+         "Non-blocking point-to-point: dist.P2POp(dist.isend, send, (rank + 1) % n) and "
+         "dist.P2POp(dist.irecv, recv, (rank - 1) % n) in dist.batch_isend_irecv([...]), then "
+         "wait() on every request it returns."),
+    50: ("Reduce-scatter: the tensor is cut into n chunks; in n - 1 steps each chunk travels "
+         "once around the ring, and every rank it passes adds its own part, so that after the "
+         "last step each rank holds one chunk that has visited everybody.",
+         "for step in range(n - 1): send chunks[(rank - step) % n] with send_right_receive_left "
+         "and receive into torch.empty_like(chunks[(rank - step - 1) % n]), then "
+         "chunks[(rank - step - 1) % n] += received (in place: the chunks are views)."),
+    51: ("All-gather: every rank now has one complete chunk. n - 1 more steps pass them on "
+         "around the ring until every rank has all of them; nothing is added any more.",
+         "for step in range(n - 1): send_right_receive_left(chunks[(rank + 1 - step) % n], "
+         "chunks[(rank - step) % n]): receive straight into place."),
+    52: ("The alpha-beta model: a message of S bytes takes latency + S / bandwidth. Measured "
+         "times against sizes lie on a straight line; its intercept is the latency, its slope "
+         "1 / (algorithm bandwidth). The bus bandwidth, what each link carried, is the "
+         "algorithm bandwidth times 2 (n - 1) / n for an all-reduce.",
+         "Least squares: slope = sum((x - mean_x) (y - mean_y)) / sum((x - mean_x)^2), latency "
+         "= mean_y - slope mean_x; return latency, (1 / slope) x 2 (world_size - 1) / "
+         "world_size."),
+    53: ("DDP all-reduces the gradients bucket by bucket (ddp_bucket_bytes lists them). Each "
+         "all-reduce pays the latency once and moves 2 (n - 1) / n of its bytes over each link.",
+         "factor = 2 * (world_size - 1) / world_size; return the sum over nbytes in buckets of "
+         "latency + nbytes * factor / busbw (seconds)."),
+    54: ("A profiler trace is a list of events, each with a name, a category and a duration in "
+         "microseconds. The all-reduce time is in the events that do the work (NCCL kernels on a "
+         "GPU, gloo's ranges on a CPU), not in those that only launch them.",
+         "steps: events with cat 'user_annotation' whose name starts with 'ProfilerStep#'; "
+         "all-reduces: cat 'kernel' with 'AllReduce' in the name, or if there are none, "
+         "'gloo:all_reduce' ranges; sum(dur) / 1e6 / steps."),
+}
