@@ -242,6 +242,7 @@ class GradNorm:
     def __init__(self, model: torch.nn.Module):
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.weights = None
+        self.replicated = False  # every rank holds every parameter whole: no all-reduce needed
 
     def _weights(self, device) -> torch.Tensor:
         names = [name for name, _ in self.params]
@@ -257,6 +258,11 @@ class GradNorm:
                 shards = math.prod(p.device_mesh.size(i) for i, placement in
                                    enumerate(p.placements) if placement.is_shard())
             weights.append(shards / holders[name])
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.replicated = all(holders[name] == world_size and not hasattr(p, "device_mesh")
+                              for name, p in self.params)
+        if self.replicated:  # DDP: each rank's own norm is the model's, with no collective
+            return torch.ones(len(weights), dtype=torch.float64, device=device)
         return torch.tensor(weights, dtype=torch.float64, device=device)
 
     def __call__(self) -> torch.Tensor:
@@ -271,7 +277,7 @@ class GradNorm:
             norms = torch._foreach_norm([g for _, g in grads])  # one kernel for all
             squares = (torch.stack(norms).to(device, torch.float64) ** 2
                        * self.weights[[i for i, _ in grads]]).sum()
-        return all_reduce_sum(squares).sqrt()
+        return (squares if self.replicated else all_reduce_sum(squares)).sqrt()
 
 
 class MetricLogger:
