@@ -36,7 +36,7 @@ from torch.distributed.fsdp import fully_shard
 from model import get_config
 from model.transformerLM import LitTransformerLM
 from utils.args import base_parser, positive_int
-from utils.checks import check_writable, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import check_splits, load_corpus_or_exit
 from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slurm_gpus_are_unused
 from utils.lit_data import WikiText2DataModule
@@ -216,7 +216,7 @@ class CourseLog(Callback):
 def main():
     args = parse_args()
     out_dir = Path(args.out_dir)
-    check_writable(out_dir)  # now, not at the first save after hours of training
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     start_time = time.time()
     L.seed_everything(args.seed, verbose=False)  # the same weights on every rank (and as plain)
 
