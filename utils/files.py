@@ -178,15 +178,13 @@ def disk_full_message(path: str | os.PathLike, needed_bytes: float | None = None
 
 
 class DiskFullError(SystemExit):
-    """A save that failed on a full disk or quota: the process ends with status 1 and one
-    line on stderr (`error: no space left on device while saving ...`), printed here, by the
-    process that failed. Under torchrun the other ranks are then stopped by torchrun."""
+    """A save that failed on a full disk or quota. Uncaught, the process ends with status 1
+    and one line on stderr (`error: no space left on device while saving ...`), printed by the
+    process that failed; under torchrun the other ranks are then stopped by torchrun."""
 
-    def __init__(self, path: str | os.PathLike, needed_bytes: float | None = None,
-                 message: str | None = None):
-        self.path, self.line = Path(path), message or disk_full_message(path, needed_bytes)
-        super().__init__(1)
-        print(f"error: {self.line}", file=sys.stderr, flush=True)
+    def __init__(self, path: str | os.PathLike, needed_bytes: float | None = None):
+        self.path, self.line = Path(path), disk_full_message(path, needed_bytes)
+        super().__init__(f"error: {self.line}")  # what Python prints for an uncaught SystemExit
 
     def __str__(self) -> str:
         return self.line
@@ -234,7 +232,7 @@ def torch_file_problem(path: str | os.PathLike) -> str | None:
         m = re.match(r"Bad CRC-32 for file '(.*)'", str(e))
         if m:
             return f"its record {m.group(1)} does not match its checksum (CRC-32)"
-        return f"it is not a complete torch.save file ({e})"
+        return "it is truncated (or not a torch.save file)"
     except (OSError, EOFError) as e:
         return f"it cannot be read ({type(e).__name__}: {e})"
     return None

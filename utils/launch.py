@@ -58,16 +58,17 @@ def _whole(name: str) -> int:
               "RANK, LOCAL_RANK and WORLD_SIZE), or unset them to run one process")
 
 
-def check_launch_environment() -> None:
+def check_launch_environment(rank_variables: bool = True) -> None:
     """Stop with one line unless the variables describe a launch that can work: none of RANK
     and WORLD_SIZE (one process), or RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT
     all set, whole numbers in range, the address resolvable, the port a port; and
-    DIST_TIMEOUT_MINUTES, if set, a positive number."""
+    DIST_TIMEOUT_MINUTES, if set, a positive number. rank_variables=False checks only the
+    last (Lightning sets the others itself, its own way)."""
     problem = dist_timeout_problem()
     if problem:
         _fail(problem)
     env = os.environ
-    if "RANK" not in env and "WORLD_SIZE" not in env:
+    if not rank_variables or ("RANK" not in env and "WORLD_SIZE" not in env):
         return
     if "RANK" not in env or "WORLD_SIZE" not in env:
         given, missing = ("WORLD_SIZE", "RANK") if "RANK" not in env else ("RANK", "WORLD_SIZE")

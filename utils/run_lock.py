@@ -112,6 +112,8 @@ def take(out_dir: str | os.PathLike, say=print) -> str | None:
     written there). Returns None, or one line naming the run that owns it."""
     lock = Path(out_dir) / LOCK_FILE
     me = _this_run()
+    # the folders this creates: deleted again if the run ends before writing anything there
+    created = [p for p in (lock.parent, *lock.parent.parents) if not p.exists()]
     for _ in range(20):
         try:
             lock.parent.mkdir(parents=True, exist_ok=True)
@@ -123,7 +125,7 @@ def take(out_dir: str | os.PathLike, say=print) -> str | None:
                 f.write(json.dumps(me, indent=1) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            _keep(lock, me["token"])
+            _keep(lock, me["token"], created)
             return None
         holder = _read(lock)
         if holder is None:  # being written right now (or emptied by a crash): look again
@@ -159,8 +161,9 @@ def _remove_if_unchanged(lock: Path, holder: dict) -> bool:
     return True
 
 
-def _keep(lock: Path, token: str) -> None:
-    """Refresh the lock while this process lives; delete it when the process ends."""
+def _keep(lock: Path, token: str, created: list[Path]) -> None:
+    """Refresh the lock while this process lives; delete it when the process ends, and the
+    folders made for it if the run left nothing else there."""
     def ours() -> bool:
         return (_read(lock) or {}).get("token") == token
 
@@ -177,6 +180,8 @@ def _keep(lock: Path, token: str) -> None:
         with contextlib.suppress(OSError):
             if ours():
                 lock.unlink()
+                for folder in created:  # innermost first; rmdir refuses a folder with files
+                    folder.rmdir()
 
     threading.Thread(target=heartbeat, daemon=True, name="run-lock-heartbeat").start()
     atexit.register(release)
