@@ -110,8 +110,8 @@ def atomic_torch_save(obj, path: str | os.PathLike) -> None:
     try:
         with atomic_open(path, "wb") as f:
             torch.save(obj, f)
-    except DiskFullError:
-        raise
+    except DiskFullError as e:
+        raise DiskFullError(path, _tensor_bytes(obj)) from e
     except Exception as e:
         if is_disk_full(e):  # torch.save's short write: "inline_container.cc ... unexpected pos"
             raise DiskFullError(path, _tensor_bytes(obj)) from e
@@ -198,7 +198,8 @@ def one_line_for_a_full_disk(folder: str | os.PathLike) -> None:
 
     def hook(kind, error, tb):
         if isinstance(error, Exception) and is_disk_full(error):
-            where = getattr(error, "filename", None) or folder
+            where = getattr(error, "filename", None)
+            where = where if isinstance(where, (str, os.PathLike)) else Path(folder) / "..."
             print(f"error: {disk_full_message(where)}", file=sys.stderr, flush=True)
             return
         previous(kind, error, tb)

@@ -29,6 +29,8 @@ import time
 import uuid
 from pathlib import Path
 
+from utils.files import disk_full_message, is_disk_full
+
 LOCK_FILE = "run.lock"
 HEARTBEAT_S = 30
 STALE_AFTER_S = 120
@@ -121,10 +123,19 @@ def take(out_dir: str | os.PathLike, say=print) -> str | None:
         except FileExistsError:
             pass
         else:
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me, indent=1) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(json.dumps(me, indent=1) + "\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as e:  # a full disk (creating a file needs no space, writing does)
+                lock.unlink(missing_ok=True)
+                for folder in created:
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                if is_disk_full(e):
+                    return disk_full_message(lock)
+                raise
             _keep(lock, me["token"], created)
             return None
         holder = _read(lock)
