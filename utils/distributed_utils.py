@@ -328,7 +328,8 @@ def atomic_folder(path: str | os.PathLike, expected_bytes=None):
     _stop_if_any_failed(error, path, partial, expected_bytes)
     try:
         yield partial
-    except Exception as e:  # noqa: BLE001 - every rank must learn of it, and all stop together
+    # (DCP's CheckpointException is a BaseException, not an Exception)
+    except (Exception, CheckpointException) as e:  # every rank must learn of it, all stop
         error = e
     _stop_if_any_failed(error, path, partial, expected_bytes)  # also: every rank is done writing
     _stop_if_any_failed(_seal_folder(partial, path, old), path, partial, expected_bytes)
@@ -344,22 +345,23 @@ def _stop_if_any_failed(error: BaseException | None, path: Path, partial: Path,
         return
     if is_root_process():
         shutil.rmtree(partial, ignore_errors=True)
-    if any(f and f[2] for f in failures):
+    if any(f and f[3] for f in failures):
         size = expected_bytes() if expected_bytes else None
         raise CheckpointError(disk_full_message(path, size)) from error
-    rank, (kind, text, _) = next((r, f) for r, f in enumerate(failures) if f)
-    raise CheckpointError(f"rank {rank} could not save {path}: {kind}: {text}") from error
+    rank, (failed_rank, kind, text, _) = next((r, f) for r, f in enumerate(failures) if f)
+    raise CheckpointError(f"rank {rank if failed_rank is None else failed_rank} could not save "
+                          f"{path}: {kind}: {text}") from error
 
 
-def _describe(error: BaseException) -> tuple[str, str, bool]:
-    """(type, first line, full disk?) of an error; DCP's CheckpointException is described by
-    the first rank's error inside it."""
-    inner = error
+def _describe(error: BaseException) -> tuple[int | None, str, str, bool]:
+    """(failing rank if known, type, first line, full disk?) of an error; DCP's
+    CheckpointException (raised on every rank) names the rank that failed and its error."""
+    inner, rank = error, None
     if isinstance(error, CheckpointException) and error.failures:
-        inner = next(iter(error.failures.values()))
+        rank, inner = next(iter(error.failures.items()))
         inner = inner[0] if isinstance(inner, tuple) else inner
     text = (str(inner).strip().splitlines() or [""])[0][:300]
-    return type(inner).__name__, text, is_disk_full(error)
+    return rank, type(inner).__name__, text, is_disk_full(error)
 
 
 def _seal_folder(partial: Path, path: Path, old: Path) -> Exception | None:

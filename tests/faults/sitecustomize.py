@@ -18,6 +18,7 @@ KILL_AT=EVENT:N[:SIGNAL]: at the N-th time EVENT happens in this process, SIGNAL
                 the 2nd: .NAME.partial -> NAME)
       torchsave a torch.save to a temporary file has written its data (Lightning's .ckpt,
                 the exported models), before the rename
+      time      N seconds after the process started (N may have decimals)
 DISK_FULL_UNDER=DIR [DISK_FULL_AFTER_BYTES=N]: every write into a file under DIR, once this
     process has written N bytes there (default 0), fails with ENOSPC, as on a full disk or
     quota. Works for any user (a real full file system needs root to mount).
@@ -55,10 +56,15 @@ if _first_start and _chosen and os.environ.get("KILL_AT"):
         if event != _event:
             return
         _counts[event] = _counts.get(event, 0) + 1
-        if _counts[event] == int(_n):
+        if _counts[event] == int(float(_n)):
             _signal(f"after {event} {_n}" if event != "step" else f"after step {_n}")
 
-    if _event == "step":
+    if _event == "time":
+        import threading
+        import time
+        threading.Thread(target=lambda: (time.sleep(float(_n)), _signal(f"after {_n} s")),
+                         daemon=True).start()
+    elif _event == "step":
         from torch.optim.optimizer import register_optimizer_step_post_hook
         register_optimizer_step_post_hook(lambda *args: _happened("step"))
     elif _event == "shards":
