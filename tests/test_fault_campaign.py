@@ -209,7 +209,8 @@ def kill_lightning(reference, tmp_path: Path, kill_at: str, rank: int) -> str:
     return resumed[0].split(": ", 1)[1]
 
 
-LIT_KILLS = [("torchsave:3", 1)]  # SIGKILL of task 1 once its 3rd .ckpt is written, unrenamed
+LIT_KILLS = [("torchsave:3", 0)]  # SIGKILL of task 0 (it writes them) once its 3rd .ckpt is
+                                  # written, before the rename
 
 
 @pytest.mark.parametrize("kill_at, rank", LIT_KILLS, ids=[k for k, _ in LIT_KILLS])

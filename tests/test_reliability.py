@@ -345,9 +345,12 @@ def test_a_full_disk_in_any_script_ends_in_one_line_naming_the_file_and_the_spac
                "--out-dir", out, COURSE_DATA_CACHE=data_cache,
                PYTHONPATH=os.pathsep.join([str(FAULTS), str(ROOT)]), DISK_FULL_UNDER=tmp_path,
                DISK_FULL_AFTER_BYTES=4096)
+    # (TP's ranks print a warning of torch's about all-gathers on stderr: not strict there)
     line = error_line(proc, f"error: no space left on device while saving {out}/",
-                      " MiB are free", "or choose another --out-dir", strict=script != "lit")
-    assert "it takes about" in line  # how much to free
+                      " MiB are free", "or choose another --out-dir",
+                      strict=script not in ("lit", "tp"))
+    if script not in ("pp", "nd"):  # the first save of a DCP folder has no size to go by
+        assert "it takes about" in line  # how much to free
     assert_nothing_half_written(out)
     assert not (out / "run.lock").exists()
 

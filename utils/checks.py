@@ -101,6 +101,17 @@ def _launch_rank() -> int:
     return int(os.environ.get("LOCAL_RANK") or 0)  # Lightning's own processes on one node
 
 
+def remove_leftovers(folder: Path) -> None:
+    """Delete what a killed run left half-written in `folder`: temporary files (.NAME.*.tmp)
+    and the staging folders of checkpoints (.NAME.partial). Nothing ever reads them; they only
+    take space. Call it only while holding the folder's lock (no other run writes there)."""
+    for path in folder.rglob(".*"):
+        if path.is_file() and path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)
+        elif path.is_dir() and path.name.endswith(".partial"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def claim_out_dir(args) -> None:
     """Before any training: --out-dir is writable by every rank (check_writable), belongs to
     this run alone (OUT_DIR/run.lock, see utils/run_lock.py), and holds no results of an
@@ -132,6 +143,8 @@ def claim_out_dir(args) -> None:
                        f"{again}delete them with --overwrite, or choose another --out-dir")
         else:
             problem = take(out_dir, say=lambda line: print(line, flush=True))
+        if problem is None:
+            remove_leftovers(out_dir)
         if problem is None and overwrite and found:
             for name in [*found, *LOGS]:
                 for path in out_dir.glob(name):

@@ -405,6 +405,7 @@ def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
     checkpoint untouched; a full disk ends the run with one line (CheckpointError).
     """
     path = Path(path)
+    _stop_if_weights_are_not_finite(model, path, (train_state or {}).get("step"))
     with atomic_folder(path, lambda: _checkpoint_bytes(path, model, optimizer)) as folder:
         dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=folder)
         (folder / RNG_FOLDER).mkdir(exist_ok=True)
@@ -412,6 +413,19 @@ def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
         if is_root_process():
             (folder / TRAIN_STATE_FILE).write_text(json.dumps(train_state or {}, indent=1) + "\n")
     return path
+
+
+def _stop_if_weights_are_not_finite(model: nn.Module, path: Path, step) -> None:
+    """A checkpoint between validations (--checkpoint-every) comes after a step whose loss was
+    finite but whose update may have made the weights NaN: never save those over a good
+    checkpoint (a restart would resume from them). One pass over this rank's shards."""
+    bad = any(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+              for p in model.parameters())
+    if all_reduce_sum(torch.tensor(float(bad))).item():
+        at = f" at step {step}" if step is not None else ""
+        raise CheckpointError(f"the weights are NaN or infinite{at}: training diverged; not "
+                              f"saving them over {path}, which keeps the last good checkpoint: "
+                              "lower --lr")
 
 
 def checkpoint_problem(path: str | os.PathLike) -> str | None:

@@ -19,6 +19,9 @@ KILL_AT=EVENT:N[:SIGNAL]: at the N-th time EVENT happens in this process, SIGNAL
       torchsave a torch.save to a temporary file has written its data (Lightning's .ckpt,
                 the exported models), before the rename
       time      N seconds after the process started (N may have decimals)
+NAN_AT_STEP=N: after this process's N-th training step (optimizer steps with gradients),
+    every parameter is filled with NaN, as a diverging run's would be: its next
+    loss is NaN.
 DISK_FULL_UNDER=DIR [DISK_FULL_AFTER_BYTES=N]: every write into a file under DIR, once this
     process has written N bytes there (default 0), fails with ENOSPC, as on a full disk or
     quota. Works for any user (a real full file system needs root to mount).
@@ -107,11 +110,38 @@ if _first_start and _chosen and os.environ.get("KILL_AT"):
 
         def _save_and_count(obj, f, *args, **kwargs):
             result = _save(obj, f, *args, **kwargs)
-            if str(getattr(f, "name", "")).endswith(".tmp"):
+            try:  # utils/files.py saves into an os.fdopen file: its name is a number
+                name = os.readlink(f"/proc/self/fd/{f.fileno()}")
+            except (AttributeError, OSError, ValueError):
+                name = str(f)
+            if name.endswith(".tmp"):
                 _happened("torchsave")
             return result
 
         torch.save = _save_and_count
+
+
+if os.environ.get("NAN_AT_STEP"):
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    _nan_steps = [0]
+
+    def _poison(optimizer, args, kwargs):
+        import torch
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if not any(int(torch.count_nonzero(g)) for g in local):
+            return  # DCP's loading makes one step with zero gradients: not a training step
+        _nan_steps[0] += 1
+        if _nan_steps[0] == int(os.environ["NAN_AT_STEP"]):
+            import torch
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for p in group["params"]:
+                        p.fill_(float("nan"))
+
+    register_optimizer_step_post_hook(_poison)
 
 
 if os.environ.get("DISK_FULL_UNDER"):
