@@ -205,7 +205,9 @@ def destroy_process_group() -> None:
 # (imports of this section only)
 import contextlib  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-from utils.files import crc32_file, disk_full_message, fsync_folder, is_disk_full  # noqa: E402
+import io  # noqa: E402
+from utils.files import (crc32_file, disk_full_message, fsync_folder, is_disk_full,  # noqa: E402
+                         write_synced)
 from utils.rng import rng_states, set_rng_states  # noqa: E402
 
 TRAIN_STATE_FILE = "train_state.json"
@@ -381,7 +383,7 @@ def _seal_folder(partial: Path, path: Path, old: Path) -> Exception | None:
         try:
             entries = {name: entry for share in shares for name, entry in share.items()}
             manifest = {"files": dict(sorted(entries.items())), "world_size": get_world_size()}
-            (partial / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+            write_synced(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
             fsync_folder(partial)
             if path.exists():
                 os.replace(path, old)
@@ -409,9 +411,11 @@ def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
     with atomic_folder(path, lambda: _checkpoint_bytes(path, model, optimizer)) as folder:
         dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=folder)
         (folder / RNG_FOLDER).mkdir(exist_ok=True)
-        torch.save(rng_states(), folder / RNG_FOLDER / f"rank_{get_rank()}.pt")
+        states = io.BytesIO()
+        torch.save(rng_states(), states)
+        write_synced(folder / RNG_FOLDER / f"rank_{get_rank()}.pt", states.getvalue())
         if is_root_process():
-            (folder / TRAIN_STATE_FILE).write_text(json.dumps(train_state or {}, indent=1) + "\n")
+            write_synced(folder / TRAIN_STATE_FILE, json.dumps(train_state or {}, indent=1) + "\n")
     return path
 
 

@@ -82,6 +82,15 @@ def _temporary(path: Path):
         raise
 
 
+def write_synced(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write a file and flush it to the disk (fsync), not atomically: for files inside a folder
+    that is itself renamed into place only when complete (utils/distributed_utils.py)."""
+    with open(path, "w" if isinstance(data, str) else "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_open(path, "w") as f:
         f.write(text)

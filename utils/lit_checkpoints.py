@@ -68,22 +68,26 @@ def newest_good_checkpoint(out_dir: str | os.PathLike, say=print, rank_0: bool =
     """The .ckpt with the highest step whose contents match their checksums. Rank 0 renames a
     damaged one to NAME.damaged (so that Lightning's own requeue logic cannot pick it either)
     and says so in one line; the other processes come to the same answer without a word."""
-    found = []
+    found, damaged = [], []
     for path in candidates(out_dir):
+        try:  # cheap: the step only (mmap reads no tensor)
+            found.append((checkpoint_step(path), path.name.startswith("hpc_ckpt_"), path))
+        except Exception:  # noqa: BLE001 - any unreadable checkpoint is damaged
+            damaged.append((path, torch_file_problem(path) or "it cannot be read"))
+    good = None
+    for *_, path in sorted(found, reverse=True):  # the newest first, until one is whole
         problem = torch_file_problem(path)
         if problem is None:
-            try:
-                found.append((checkpoint_step(path), path.name.startswith("hpc_ckpt_"), path))
-                continue
-            except Exception as e:  # noqa: BLE001 - any unreadable checkpoint is skipped
-                problem = f"{type(e).__name__} when reading it"
-        if rank_0:
-            damaged = path.with_name(path.name + ".damaged")
-            with contextlib.suppress(OSError):
-                os.replace(path, damaged)
-            say(f"WARNING: checkpoint {path} is damaged ({problem}): skipping it (moved to "
-                f"{damaged.name})")
-    return max(found)[-1] if found else None
+            good = path
+            break
+        damaged.append((path, problem))
+    for path, problem in damaged if rank_0 else []:
+        aside = path.with_name(path.name + ".damaged")
+        with contextlib.suppress(OSError):
+            os.replace(path, aside)
+        say(f"WARNING: checkpoint {path} is damaged ({problem}): skipping it (moved to "
+            f"{aside.name})")
+    return good
 
 
 def resume_path(resume: str | None, out_dir: str | os.PathLike, say=print,
