@@ -307,18 +307,24 @@ def main():
     # A requeued job (or --resume) continues from the newest complete, undamaged checkpoint.
     ckpt_path = resume_path(args.resume, out_dir, say=print0, rank_0=rank_zero_only.rank == 0)
     fit_or_exit(trainer, lit_model, data, ckpt_path)
+    if "val/loss" not in trainer.callback_metrics:  # resumed at --max-steps: fit trained nothing
+        trainer.validate(lit_model, datamodule=data, ckpt_path=ckpt_path, verbose=False)
     val_loss = trainer.callback_metrics["val/loss"].item()
     loss_history = list(course_log.loss_history)
     # Test the final weights: Lightning's last checkpoint (saved after the final validation).
     # Without a ckpt_path, test() under Slurm would reload the requeue checkpoint, if there is one.
-    trainer.test(lit_model, datamodule=data, ckpt_path=checkpoints.last_model_path, verbose=False)
+    # (A run resumed at --max-steps saved nothing itself: the checkpoint it resumed from.)
+    trainer.test(lit_model, datamodule=data, ckpt_path=checkpoints.last_model_path or ckpt_path,
+                 verbose=False)
     test_loss = trainer.callback_metrics["test/loss"].item()
 
     # ---- summary (root process only, once, at the very end) ----
     summary = training_summary(
         args, cfg, corpus, world_size=trainer.world_size, steps=trainer.global_step,
         loss_history=loss_history, val_loss=val_loss, test_loss=test_loss,
-        throughput=course_log.throughput, flops_per_token=flops_per_tok,
+        # (no Throughput if fit trained nothing: resumed at --max-steps)
+        throughput=course_log.throughput or Throughput(trainer.strategy.root_device),
+        flops_per_token=flops_per_tok,
         # the device it trained on: after test() Lightning has moved lit_model back to the CPU
         device=trainer.strategy.root_device,
         start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,
