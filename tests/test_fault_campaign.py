@@ -159,6 +159,7 @@ def random_fsdp_kill(rng: random.Random) -> tuple[str, int]:
 
 
 @pytest.mark.skipif(not CAMPAIGN, reason="the long campaign: FAULT_CAMPAIGN=N")
+@pytest.mark.timeout(300 + 120 * CAMPAIGN)
 def test_a_campaign_of_random_kills_of_the_fsdp_step(fsdp_reference, tmp_path):
     rng = random.Random(int(os.environ.get("FAULT_SEED") or 0))
     survived = 0
@@ -236,6 +237,7 @@ def random_lightning_kill(rng: random.Random) -> tuple[str, int]:
 
 
 @pytest.mark.skipif(not CAMPAIGN, reason="the long campaign: FAULT_CAMPAIGN=N")
+@pytest.mark.timeout(300 + 300 * CAMPAIGN)
 def test_a_campaign_of_random_kills_of_the_lightning_variant(lit_reference, tmp_path):
     rng = random.Random(int(os.environ.get("FAULT_SEED") or 0))
     survived = 0
