@@ -36,7 +36,8 @@ FSDP = "solutions/train/fsdp_training.py"
 LIT = "train/Lit_training.py"
 COMMON = ["--dataset", "synthetic", "--preset", "tiny", "--dropout", "0.1", "--seed", "3",
           "--logger", "none", "--log-every", "1"]
-# 2 ranks x 4 sequences, 12 steps, "last" every 2 steps: 7 DCP saves (6 x last, best at 12)
+# 2 ranks x 4 sequences, 12 steps, "last" every 2 steps: 8 DCP saves (last at 2, 4, ..., 12;
+# at the end best, then last again), 14 renames (a save over an earlier folder makes 2)
 FSDP_RUN = [*COMMON, "--batch-size", "4", "--max-steps", "12", "--checkpoint-every", "2"]
 LIT_RUN = [*COMMON, "--seq-len", "31", "--batch-size", "8", "--max-steps", "10",
            "--checkpoint-every", "2", "--accelerator", "cpu"]
@@ -150,8 +151,8 @@ def test_the_fsdp_step_killed_inside_a_save_resumes_to_exactly_the_uninterrupted
 
 
 def random_fsdp_kill(rng: random.Random) -> tuple[str, int]:
-    event, n = rng.choice([("step", rng.randint(1, 11)), ("shards", rng.randint(1, 7)),
-                           ("marker", rng.randint(1, 7)), ("rename", rng.randint(1, 13)),
+    event, n = rng.choice([("step", rng.randint(1, 11)), ("shards", rng.randint(1, 8)),
+                           ("marker", rng.randint(1, 8)), ("rename", rng.randint(1, 14)),
                            ("torchsave", 1), ("time", round(rng.uniform(2.0, 12.0), 1))])
     signal = rng.choice(["KILL", "TERM"])
     rank = 0 if event in ("marker", "rename", "torchsave") else rng.randint(0, 1)
@@ -229,7 +230,8 @@ def test_the_lightning_variant_killed_inside_a_checkpoint_save_is_requeued_to_th
 
 
 def random_lightning_kill(rng: random.Random) -> tuple[str, int]:
-    event, n = rng.choice([("step", rng.randint(1, 9)), ("torchsave", rng.randint(1, 6)),
+    # 7 .ckpt files: step=N.ckpt at 2, 4, ..., 10, then best and last after the validation
+    event, n = rng.choice([("step", rng.randint(1, 9)), ("torchsave", rng.randint(1, 7)),
                            ("time", round(rng.uniform(3.0, 20.0), 1))])
     # only task 0 writes .ckpt files
     rank = 0 if event == "torchsave" else rng.randint(0, 1)

@@ -13,7 +13,7 @@ KILL_AT=EVENT:N[:SIGNAL]: at the N-th time EVENT happens in this process, SIGNAL
     this process then waits to be stopped). Events, in the order a save goes through them:
       step      an optimizer step has finished
       shards    a rank wrote its DCP shard file (inside a save, before any marker)
-      marker    rank 0 wrote a checkpoint's manifest (before the renames)
+      marker    rank 0 wrote a checkpoint's manifest and synced it (before the renames)
       rename    os.replace inside a checkpoint folder (the 1st of a save: NAME -> .NAME.old;
                 the 2nd: .NAME.partial -> NAME)
       torchsave a torch.save to a temporary file has written its data (Lightning's .ckpt,
@@ -93,17 +93,16 @@ if _first_start and _chosen and os.environ.get("KILL_AT"):
             return _replace(src, dst, *args, **kwargs)
 
         os.replace = _replace_and_count
-        if _event == "marker":
-            import pathlib
-            _write_text = pathlib.Path.write_text
+        if _event == "marker":  # the marker is written, then its folder is synced: count that
+            _os_open = os.open
 
-            def _write_text_and_count(self, *args, **kwargs):
-                result = _write_text(self, *args, **kwargs)
-                if self.name == "manifest.json":
+            def _open_and_count(path, flags, *args, **kwargs):
+                fd = _os_open(path, flags, *args, **kwargs)
+                if os.fspath(path).endswith(".partial") and flags == os.O_RDONLY:
                     _happened("marker")
-                return result
+                return fd
 
-            pathlib.Path.write_text = _write_text_and_count
+            os.open = _open_and_count
     elif _event == "torchsave":
         import torch
         _save = torch.save
