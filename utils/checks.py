@@ -136,13 +136,13 @@ def claim_out_dir(args) -> None:
         if resume and overwrite:
             problem = ("--overwrite deletes the checkpoints that --resume continues from: "
                        "give one of them")
-        elif found and not (resume or overwrite or restart_count()[0]):
+        else:  # first the lock: a run still writing there is named, whatever it has written
+            problem = take(out_dir, say=lambda line: print(line, flush=True))
+        if problem is None and found and not (resume or overwrite or restart_count()[0]):
             names = ", ".join(f"{n}/" if (out_dir / n).is_dir() else n for n in found)
             again = "continue it with --resume auto, " if hasattr(args, "resume") else ""
             problem = (f"--out-dir {out_dir} holds the results of an earlier run ({names}): "
                        f"{again}delete them with --overwrite, or choose another --out-dir")
-        else:
-            problem = take(out_dir, say=lambda line: print(line, flush=True))
         if problem is None:
             remove_leftovers(out_dir)
         if problem is None and overwrite and found:
