@@ -449,7 +449,13 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
         return f"its {MANIFEST} is unreadable"
     if TRAIN_STATE_FILE not in files:
         return f"it has no {TRAIN_STATE_FILE}, so save_sharded_model did not write it"
+    try:  # readable by people, and editable (e.g. best_val): checked by reading it
+        json.loads((path / TRAIN_STATE_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {TRAIN_STATE_FILE} is missing or unreadable"
     for name, entry in files.items():
+        if name == TRAIN_STATE_FILE:
+            continue
         what = _what_file(name)
         if not (path / name).is_file():
             return f"{what} is missing"
@@ -480,7 +486,8 @@ def checkpoint_damage(path: str | os.PathLike) -> str | None:
     key = (str(path.resolve()), marker.stat().st_mtime_ns if marker.is_file() else None)
     if key in _verified:
         return None
-    files = sorted(json.loads(marker.read_text())["files"].items())
+    files = sorted((name, entry) for name, entry in json.loads(marker.read_text())["files"].items()
+                   if name != TRAIN_STATE_FILE)  # editable by hand: checked by reading it
     problem = None
     for name, entry in files[get_rank()::get_world_size()]:
         try:
