@@ -85,10 +85,8 @@ if _first_start and _chosen and os.environ.get("KILL_AT"):
         _replace = os.replace
 
         def _replace_and_count(src, dst, *args, **kwargs):
-            src_name = os.path.basename(os.fspath(src))
-            in_checkpoint = src_name.endswith(".partial") or src_name.startswith(".") and \
-                not src_name.endswith(".tmp")
-            if in_checkpoint and not os.fspath(src).endswith("manifest.json"):
+            # the two renames of a checkpoint save: NAME -> .NAME.old, .NAME.partial -> NAME
+            if os.fspath(src).endswith(".partial") or os.fspath(dst).endswith(".old"):
                 _happened("rename")
             return _replace(src, dst, *args, **kwargs)
 
