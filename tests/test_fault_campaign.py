@@ -100,9 +100,11 @@ def fsdp_reference(tmp_path_factory, data_cache):
     """The run that never stopped (shared by every kill)."""
     out = tmp_path_factory.mktemp("campaign") / "reference"
     env = script_env(cache_dir=data_cache)
+    start = time.monotonic()
     proc = torchrun(out, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, env, dcp_state(out / "checkpoints" / "last", out.parent)
+    return out, env, dcp_state(out / "checkpoints" / "last", out.parent), \
+        time.monotonic() - start
 
 
 NOT_FIRED = "the run ended before the moment came"
@@ -111,7 +113,7 @@ NOT_FIRED = "the run ended before the moment came"
 def kill_fsdp(reference, tmp_path: Path, kill_at: str, rank: int) -> str:
     """Kill one run as `kill_at` says, resume it as torchrun or a requeue would, and compare it
     with the reference. Returns what happened, for the tally."""
-    whole, env, whole_state = reference
+    whole, env, whole_state, _ = reference
     out, job = tmp_path / "killed", str(random.randrange(10**6))
     first = torchrun(out, fault_env(env, kill_at, rank, job))
     if "fault injection:" not in first.stdout and first.returncode == 0 and \
@@ -150,10 +152,11 @@ def test_the_fsdp_step_killed_inside_a_save_resumes_to_exactly_the_uninterrupted
     kill_fsdp(fsdp_reference, tmp_path, kill_at, rank)
 
 
-def random_fsdp_kill(rng: random.Random) -> tuple[str, int]:
+def random_fsdp_kill(rng: random.Random, seconds: float) -> tuple[str, int]:
+    """A random moment of a run that takes `seconds` (the reference's wall time)."""
     event, n = rng.choice([("step", rng.randint(1, 11)), ("shards", rng.randint(1, 8)),
                            ("marker", rng.randint(1, 8)), ("rename", rng.randint(1, 14)),
-                           ("torchsave", 1), ("time", round(rng.uniform(2.0, 12.0), 1))])
+                           ("torchsave", 1), ("time", round(rng.uniform(1.0, seconds), 1))])
     signal = rng.choice(["KILL", "TERM"])
     rank = 0 if event in ("marker", "rename", "torchsave") else rng.randint(0, 1)
     return f"{event}:{n}:{signal}", rank
@@ -165,7 +168,7 @@ def test_a_campaign_of_random_kills_of_the_fsdp_step(fsdp_reference, tmp_path):
     rng = random.Random(int(os.environ.get("FAULT_SEED") or 0))
     survived = 0
     for i in range(CAMPAIGN):
-        kill_at, rank = random_fsdp_kill(rng)
+        kill_at, rank = random_fsdp_kill(rng, fsdp_reference[3])
         folder = tmp_path / str(i)
         folder.mkdir()
         start = time.monotonic()
@@ -193,13 +196,14 @@ def lit_reference(tmp_path_factory, data_cache):
     pytest.importorskip("lightning")
     out = tmp_path_factory.mktemp("lit_campaign") / "reference"
     env = {**script_env(cache_dir=data_cache), "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
     proc = fake_srun(out, env, 0, "500")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, env, lit_state(out)
+    return out, env, lit_state(out), time.monotonic() - start
 
 
 def kill_lightning(reference, tmp_path: Path, kill_at: str, rank: int) -> str:
-    whole, env, whole_state = reference
+    whole, env, whole_state, _ = reference
     out, job = tmp_path / "killed", str(random.randrange(10**6))
     first = fake_srun(out, fault_env(env, kill_at, rank, job), 0, job)
     log = first.stdout + first.stderr
@@ -229,10 +233,10 @@ def test_the_lightning_variant_killed_inside_a_checkpoint_save_is_requeued_to_th
     kill_lightning(lit_reference, tmp_path, kill_at, rank)
 
 
-def random_lightning_kill(rng: random.Random) -> tuple[str, int]:
+def random_lightning_kill(rng: random.Random, seconds: float) -> tuple[str, int]:
     # 7 .ckpt files: step=N.ckpt at 2, 4, ..., 10, then best and last after the validation
     event, n = rng.choice([("step", rng.randint(1, 9)), ("torchsave", rng.randint(1, 7)),
-                           ("time", round(rng.uniform(3.0, 20.0), 1))])
+                           ("time", round(rng.uniform(1.0, seconds), 1))])
     # only task 0 writes .ckpt files
     rank = 0 if event == "torchsave" else rng.randint(0, 1)
     return f"{event}:{n}:{rng.choice(['KILL', 'TERM'])}", rank
@@ -244,7 +248,7 @@ def test_a_campaign_of_random_kills_of_the_lightning_variant(lit_reference, tmp_
     rng = random.Random(int(os.environ.get("FAULT_SEED") or 0))
     survived = 0
     for i in range(CAMPAIGN):
-        kill_at, rank = random_lightning_kill(rng)
+        kill_at, rank = random_lightning_kill(rng, lit_reference[3])
         folder = tmp_path / str(i)
         folder.mkdir()
         start = time.monotonic()

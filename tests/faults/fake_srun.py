@@ -31,14 +31,22 @@ def main() -> int:
                    SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_STEP_ID="0",
                    SLURM_STEP_NUM_TASKS=str(n), SLURM_RESTART_COUNT=restarts,
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        tasks.append(subprocess.Popen(command, env=env))
+        # a process group per task: like Slurm (a cgroup per step), stopping a task stops every
+        # process it started too
+        tasks.append(subprocess.Popen(command, env=env, start_new_session=True))
     terminated = []
+
+    def signal_all(sig, only_running=True):
+        for t in tasks:
+            if t.poll() is None or not only_running:
+                try:
+                    os.killpg(t.pid, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
 
     def terminate(signum, frame):
         terminated.append(time.monotonic())
-        for t in tasks:
-            if t.poll() is None:
-                t.send_signal(signal.SIGTERM)
+        signal_all(signal.SIGTERM)
 
     signal.signal(signal.SIGTERM, terminate)
     failed = None
@@ -46,14 +54,11 @@ def main() -> int:
         codes = [t.poll() for t in tasks]
         if failed is None and any(c not in (None, 0) for c in codes):
             failed = next(c for c in codes if c not in (None, 0))
-            for t in tasks:  # --kill-on-bad-exit=1
-                if t.poll() is None:
-                    t.kill()
+            signal_all(signal.SIGKILL)  # --kill-on-bad-exit=1
         if terminated and time.monotonic() - terminated[0] > KILL_WAIT:
-            for t in tasks:
-                if t.poll() is None:
-                    t.kill()
+            signal_all(signal.SIGKILL)
         time.sleep(0.05)
+    signal_all(signal.SIGKILL, only_running=False)  # what the tasks started and left behind
     return 1 if failed is not None or any(t.returncode for t in tasks) else 0
 
 
