@@ -2,8 +2,8 @@
 Python imports sitecustomize at start-up). Nothing here is part of the course.
 
 Faults fire on the first start only (torchrun's TORCHELASTIC_RESTART_COUNT and Slurm's
-SLURM_RESTART_COUNT unset or 0), in the process whose RANK (torchrun) or SLURM_PROCID (srun)
-is KILL_RANK (default 0):
+SLURM_RESTART_COUNT unset or 0), in the training process whose RANK (torchrun) or SLURM_PROCID
+(srun) is KILL_RANK (default 0):
 
 KILL_AT_STEP=N: the process kills itself with SIGKILL right after its N-th optimizer step, as
     a crashed node or an out-of-memory kill would.
@@ -32,8 +32,10 @@ import os
 
 _first_start = (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
                 and os.environ.get("SLURM_RESTART_COUNT", "0") in ("", "0"))
-_rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-_chosen = _rank == os.environ.get("KILL_RANK", "0")
+# a training process, started by torchrun (RANK) or by srun (SLURM_PROCID); never the launcher
+# itself (torchrun, the emulated srun), which sees the same KILL_AT otherwise
+_rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+_chosen = _rank is not None and _rank == os.environ.get("KILL_RANK", "0")
 
 
 def _signal(what: str) -> None:
