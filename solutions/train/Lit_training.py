@@ -313,9 +313,11 @@ def main():
     loss_history = list(course_log.loss_history)
     # Test the final weights: Lightning's last checkpoint (saved after the final validation).
     # Without a ckpt_path, test() under Slurm would reload the requeue checkpoint, if there is one.
-    # (A run resumed at --max-steps saved nothing itself: the checkpoint it resumed from.)
-    trainer.test(lit_model, datamodule=data, ckpt_path=checkpoints.last_model_path or ckpt_path,
-                 verbose=False)
+    last = checkpoints.last_model_path
+    if not last:  # resumed at --max-steps: fit saved nothing; a finished run still has its last
+        last = str(out_dir / "checkpoints" / "last.ckpt")
+        trainer.save_checkpoint(last)
+    trainer.test(lit_model, datamodule=data, ckpt_path=last, verbose=False)
     test_loss = trainer.callback_metrics["test/loss"].item()
 
     # ---- summary (root process only, once, at the very end) ----
