@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import all_reduce_sum, collective_device, is_root_process
+from utils.files import atomic_write_json
 from utils.precision import matmul_dtype, resolve_precision
 
 
@@ -397,13 +398,12 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
 
 
 def write_summary(out_dir: str | os.PathLike, summary: dict) -> Path:
-    """OUT_DIR/summary.json from the root process: what tests and benchmarks read back."""
+    """OUT_DIR/summary.json from the root process: what tests and benchmarks read back.
+    Written atomically; NaN and infinities (a run that trained no step has no tokens/s) are
+    written as null, so the file stays valid JSON."""
     path = Path(out_dir) / "summary.json"
     if is_root_process():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write_json(path, summary)
     return path
 
 
