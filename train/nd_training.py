@@ -266,7 +266,8 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         data_parallel_size=args.dp, tensor_parallel_size=args.tp, pipeline_stages=args.pp,
         schedule=args.schedule, microbatches=args.microbatches, params_per_rank=params_per_rank,
-        idle_fraction_per_rank=idle.tolist(), bubble_fraction_theory=bubble)
+        idle_fraction_per_rank=idle.tolist(), bubble_fraction_theory=bubble,
+        memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     # Every rank writes its shards of its stage; the folder loads into the unsplit model, or into

@@ -21,6 +21,13 @@ every rank (utils/system_metrics.py). It returns the log line:
 
     step 200/1500 (13%) loss 2.6912 41230 tokens/s MFU 12.3% mem 1.21 GiB (peak 1.50) ETA 4m33s
 
+Once, after the first optimizer step, it prints where a rank's memory goes (utils/memory.py):
+parameters, gradients, optimizer state and the activations saved for backward, measured by
+tensor sizes next to the formula's prediction, to TensorBoard (memory/*) and to `monitor.memory`,
+which the scripts put into summary.json under "memory":
+
+    memory per rank, MiB measured (formula): parameters 0.88 (0.88), gradients 0.88 (0.88), ...
+
 On a GPU, reading a tensor's value waits for the GPU. So nothing here reads one between log
 steps: the loss and the gradient norm stay on the device, the forward pass is timed with CUDA
 events, and report() reads everything at once, after one synchronize and one collective.
@@ -37,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import collective_device, get_rank, get_world_size
+from utils.memory import CATEGORIES, ActivationCounter, breakdown, format_breakdown, infer_layout
 from utils.metrics import GradNorm, MetricLogger, final_results, peak_flops, perplexity
 from utils.precision import resolve_precision
 from utils.system_metrics import FIELDS, start_sampler
@@ -46,6 +54,20 @@ def planned_steps(args, train_loader) -> int:
     """Optimizer steps the run will take: every epoch's batches, or --max-steps if fewer."""
     steps = args.epochs * len(train_loader)
     return steps if args.max_steps is None else min(steps, args.max_steps)
+
+
+def memory_summary(ranks: list[dict]) -> dict:
+    """summary.json's "memory": bytes of every rank (a list, rank order) per category, the
+    formula's prediction next to it, and each rank's whole breakdown."""
+    out = {k: [r["measured"][k] for r in ranks]
+           for k in (*CATEGORIES, "weight_copies", "gathered")}
+    out["total"] = [sum(r["measured"][k] for k in CATEGORIES) for r in ranks]
+    for k in ("peak", "reserved"):
+        if all(k in r["measured"] for r in ranks):
+            out[k] = [r["measured"][k] for r in ranks]
+    out["formula"] = {k: [r["formula"][k] for r in ranks] for k in (*CATEGORIES, "gathered")}
+    out["per_rank"] = ranks
+    return out
 
 
 def format_duration(seconds: float) -> str:
@@ -119,6 +141,14 @@ class TrainingMonitor:
         self.last_tokens = self.last_seconds = self.last_steps = 0
         self.epoch_tokens = self.epoch_seconds = 0
         self.eta_start = None
+        # the memory breakdown: activations counted from the first batch to the first
+        # optimizer step, then measured once (watch_memory, _measure_memory)
+        self.model, self.precision = model, precision
+        self.memory, self.activations, self.tokens = None, None, 0
+        self.step_hook = optimizer.register_step_post_hook(self._measure_memory)
+        # A pipeline's first step also runs a shape-inference pass (its graph kept a while):
+        # count the second step's activations there.
+        self.memory_step, self.steps_seen = (2 if hasattr(args, "microbatches") else 1), 0
 
     # ---- every step ----
     def batches(self, loader):
@@ -131,12 +161,55 @@ class TrainingMonitor:
             except StopIteration:
                 return
             self.waited(self.clock() - start)
+            self.watch_memory(batch)
             yield batch
 
     def waited(self, seconds: float) -> None:
         """Count `seconds` of waiting for a batch (batches() calls it; Lightning's callback too)."""
         if self.throughput.last is not None:  # waits during training, not after a pause
             self.data_wait += seconds
+
+    # ---- once: the memory breakdown ----
+    def watch_memory(self, batch) -> None:
+        """Count the activations the first step saves (batches() calls it with every batch)."""
+        if self.memory is not None or self.step_hook is None:
+            return
+        if self.steps_seen + 1 < self.memory_step:
+            return
+        tokens = batch[0].numel() if isinstance(batch, (list, tuple)) else 0
+        microbatches = getattr(self.args, "microbatches", 1) or 1
+        self.tokens = max(self.tokens, tokens // microbatches)  # one microbatch's tokens
+        if self.activations is None:
+            self.activations = ActivationCounter(self.model).__enter__()
+
+    def _measure_memory(self, optimizer, *args, **kwargs) -> None:
+        """After the first optimizer step: every rank measures; rank 0 prints and logs."""
+        self.steps_seen += 1
+        if self.steps_seen < self.memory_step:
+            return
+        self.step_hook.remove()
+        self.step_hook = None
+        if self.activations is None:
+            return
+        self.activations.__exit__(None, None, None)
+        cfg = getattr(self.model, "cfg", None) or getattr(getattr(self.model, "module", None),
+                                                          "cfg", None)
+        mine = breakdown(self.model, optimizer, self.activations, cfg, self.tokens,
+                         infer_layout(self.model, self.args, get_world_size()), self.device,
+                         self.precision)
+        everyone = [mine]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+        self.memory = memory_summary(everyone)
+        if get_rank() == 0:
+            line = format_breakdown(mine)
+            largest = max(range(len(everyone)), key=lambda r: self.memory["total"][r])
+            if largest != 0 and self.memory["total"][largest] > 1.01 * self.memory["total"][0]:
+                line += f"; the largest rank ({largest}): {format_breakdown(everyone[largest])}"
+            print(line, flush=True)
+        self.logger.log({f"memory/{k}_mib": max(self.memory[k]) / 2**20
+                         for k in (*CATEGORIES, "total")}, 1)
 
     # ---- every --log-every steps ----
     def report(self, step: int, loss: torch.Tensor, bubble: list | None = None) -> str:
@@ -250,6 +323,9 @@ class TrainingMonitor:
     def close(self, summary: dict | None = None) -> None:
         """Stop sampling; the final results go to the HParams view and wandb's summary."""
         self.sampler.close()
+        if self.activations is not None and self.memory is None:  # no step was taken
+            self.activations.__exit__(None, None, None)
+            self.activations = None
         if summary is not None:
             self.logger.finish(final_results(summary), summary["steps"])
         self.logger.close()

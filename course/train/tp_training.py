@@ -297,7 +297,8 @@ def main():
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
-        flops_per_token=flops_per_tok, device=device, start_time=start_time)
+        flops_per_token=flops_per_tok, device=device, start_time=start_time,
+        memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
     #| solution
     test_loss = evaluate(model, test_loader, device, dp_group)
     summary = training_summary(
@@ -305,7 +306,7 @@ def main():
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         data_parallel_size=dp_size, tensor_parallel_size=args.tp,
-        params_per_rank=local_params)
+        params_per_rank=local_params, memory=monitor.memory)
     #| end
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")

@@ -241,6 +241,7 @@ class CourseLog(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.batch_end is not None:  # the time since the last step: fetching this batch
             self.monitor.waited(time.perf_counter() - self.batch_end)
+        self.monitor.watch_memory(batch)  # the memory breakdown of the first step
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = trainer.callback_metrics["train/loss"]  # logged with sync_dist: the mean over ranks
@@ -376,7 +377,8 @@ def main():
         # the device it trained on: after test() Lightning has moved lit_model back to the CPU
         device=trainer.strategy.root_device,
         start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,
-        devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path)
+        devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path,
+        memory=course_log.monitor.memory)  # the breakdown after the first step (utils/memory.py)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     write_summary(out_dir, summary)

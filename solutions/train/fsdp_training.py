@@ -252,7 +252,8 @@ def main():
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
-        model_state_bytes_per_rank=state_bytes, peak_mem_bytes_per_rank=peak_bytes)
+        model_state_bytes_per_rank=state_bytes, peak_mem_bytes_per_rank=peak_bytes,
+        memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     print0("memory per rank (MiB): weights+gradients+optimizer "

@@ -254,7 +254,7 @@ def main():
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
-        compile=args.compile)
+        compile=args.compile, memory=monitor.memory)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%} "
            f"({summary['precision']}), peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")

@@ -276,7 +276,7 @@ def main():
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
-        params_per_rank=local_params, **pipeline)
+        params_per_rank=local_params, memory=monitor.memory, **pipeline)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     # DONE 39: Distributed Checkpoint, into out_dir / "final_model"

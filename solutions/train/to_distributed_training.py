@@ -157,7 +157,8 @@ def main():
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
-        flops_per_token=flops_per_tok, device=device, start_time=start_time)
+        flops_per_token=flops_per_tok, device=device, start_time=start_time,
+        memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
     # DONE 9: print0
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}, "

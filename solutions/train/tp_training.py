@@ -251,7 +251,7 @@ def main():
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         data_parallel_size=dp_size, tensor_parallel_size=args.tp,
-        params_per_rank=local_params)
+        params_per_rank=local_params, memory=monitor.memory)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     # DONE 32: save_full_model
