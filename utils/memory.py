@@ -305,7 +305,7 @@ def predict(cfg, tokens: int, layout: Layout | None = None, *, precision: str = 
     # the root's (embeddings, output layer) are still gathered, and without resharding the
     # blocks' too
     gathered = 0
-    if layout.zero >= 3 and layout.dp > 1:
+    if layout.zero >= 3:  # (also for one rank: FSDP gathers into buffers of its own)
         gathered = (held if not layout.reshard else counts["outside_blocks"]) * per_param["parameters"]
     out["gathered"] = gathered
     out["params_held"] = held / shard["parameters"]

@@ -1,0 +1,182 @@
+"""Every script measures where a rank's memory goes, and the formula predicts it (utils/memory.py).
+
+The measurement counts tensors (parameters, gradients and optimizer state by their sizes, the
+activations autograd saves through saved_tensors_hooks); the formula knows only the model's
+shape and the layout. The layout of each run is written here from the command line that
+started it, not read back from the script, so a wrong guess in either is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import read_summary, run_script, script_env
+from model import TransformerLM, get_config
+from utils.memory import (ActivationCounter, Layout, bytes_per_param, measure_state, predict,
+                          relative_error)
+
+COMMON = ["--dataset", "synthetic", "--preset", "tiny", "--dropout", "0", "--seed", "1",
+          "--logger", "none", "--log-every", "1000", "--epochs", "1", "--max-steps", "2",
+          "--batch-size", "4"]
+BATCH, SEQ = 4, 32
+TIMEOUT = 180
+STATE = ("parameters", "gradients", "optimizer")
+
+
+def assert_near(measured: float, formula: float, what: str, tolerance: float):
+    assert relative_error(measured, formula) <= tolerance, \
+        f"{what}: measured {measured} bytes, the formula says {formula:.0f}"
+
+
+def assert_matches_formula(summary: dict, layouts: list[Layout], tokens: int):
+    """Every rank's measurement within 1 % of the formula for its layout: AdamW's step counters
+    (4 bytes per parameter tensor) and the positions (8 bytes each) are what the formula leaves
+    out."""
+    cfg = get_config("tiny", vocab_size=summary["model_config"]["vocab_size"], dropout=0.0)
+    memory = summary["memory"]
+    assert len(memory["per_rank"]) == len(layouts)
+    for rank, layout in enumerate(layouts):
+        formula = predict(cfg, tokens, layout)
+        measured = memory["per_rank"][rank]["measured"]
+        for key in (*STATE, "activations"):
+            assert_near(measured[key], formula[key], f"rank {rank} {key}", 0.01)
+            # and the formula the script printed is the formula of the layout it ran
+            assert_near(memory["formula"][key][rank], formula[key], f"rank {rank} {key} (printed)",
+                        1e-9)
+        assert_near(measured["gathered"], formula["gathered"], f"rank {rank} gathered", 0.01)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    """The solutions, 2 processes each, 2 steps: one run per layout, shared by the tests."""
+    root = tmp_path_factory.mktemp("memory")
+    env = script_env(data_cache)
+    layouts = {
+        "ddp": ("solutions/train/to_distributed_training.py", []),
+        "fsdp": ("solutions/train/fsdp_training.py", ["--reshard-after-forward", "true"]),
+        "fsdp_no_reshard": ("solutions/train/fsdp_training.py",
+                            ["--reshard-after-forward", "false"]),
+        "tp": ("solutions/train/tp_training.py", ["--tp", "2"]),
+        "pp": ("solutions/train/pp_training.py", ["--schedule", "gpipe", "--microbatches", "4"]),
+    }
+    out = {}
+    for name, (script, extra) in layouts.items():
+        proc = run_script(script, *COMMON, *extra, "--out-dir", root / name, nproc=2, env=env,
+                          timeout=TIMEOUT)
+        out[name] = (read_summary(root / name), proc.stdout)
+    return out
+
+
+@pytest.mark.slow
+def test_every_script_prints_its_breakdown_once_after_the_first_step(runs):
+    for name, (summary, stdout) in runs.items():
+        lines = [line for line in stdout.splitlines() if line.startswith("memory per rank, MiB")]
+        assert len(lines) == 1, f"{name}: {lines}"
+        assert "measured (formula)" in lines[0] and "activations" in lines[0]
+        assert set(summary["memory"]) >= {*STATE, "activations", "formula", "per_rank"}
+
+
+@pytest.mark.slow
+def test_ddp_replicates_everything_and_matches_the_formula(runs):
+    summary = runs["ddp"][0]
+    assert_matches_formula(summary, [Layout(dp=2)] * 2, BATCH * SEQ)
+    # DDP: both ranks hold the same bytes
+    assert summary["memory"]["total"][0] == summary["memory"]["total"][1]
+
+
+@pytest.mark.slow
+def test_fsdp_halves_parameters_gradients_and_optimizer_state_of_ddp(runs):
+    ddp, fsdp = runs["ddp"][0]["memory"], runs["fsdp"][0]["memory"]
+    assert_matches_formula(runs["fsdp"][0], [Layout(dp=2, zero=3)] * 2, BATCH * SEQ)
+    for key in STATE:
+        assert_near(fsdp[key][0] + fsdp[key][1], ddp[key][0], key, 0.01)
+    # sharding the state changes nothing in the activations of the same per-rank batch
+    assert fsdp["activations"] == ddp["activations"]
+
+
+@pytest.mark.slow
+def test_fsdp_without_resharding_keeps_the_whole_model_gathered_until_backward(runs):
+    reshard, keep = runs["fsdp"][0]["memory"], runs["fsdp_no_reshard"][0]["memory"]
+    assert_matches_formula(runs["fsdp_no_reshard"][0], [Layout(dp=2, zero=3, reshard=False)] * 2,
+                           BATCH * SEQ)
+    # resharding: only the root's weights (embeddings, output) stay gathered; without: all
+    whole_model = runs["ddp"][0]["memory"]["parameters"][0]
+    assert_near(keep["gathered"][0], whole_model, "gathered without resharding", 0.01)
+    assert reshard["gathered"][0] < 0.5 * keep["gathered"][0]
+    assert [reshard[k] for k in STATE] == [keep[k] for k in STATE]
+
+
+@pytest.mark.slow
+def test_tensor_parallel_splits_weights_and_the_block_activations(runs):
+    assert_matches_formula(runs["tp"][0], [Layout(tp=2, zero=3)] * 2, BATCH * SEQ)
+    assert runs["tp"][0]["memory"]["activations"][0] < runs["ddp"][0]["memory"]["activations"][0]
+
+
+@pytest.mark.slow
+def test_pipeline_stages_hold_their_layers_and_gpipe_keeps_every_microbatch(runs):
+    micro = BATCH * SEQ // 4
+    layouts = [Layout(layers=1, first=True, last=False, microbatches=4),
+               Layout(layers=1, first=False, last=True, microbatches=4)]
+    assert_matches_formula(runs["pp"][0], layouts, micro)
+
+
+def test_one_process_measures_exactly_what_the_formula_counts():
+    """No sharding, fp32: parameters and gradients to the byte, the rest within step counters
+    and positions."""
+    cfg = get_config("tiny", vocab_size=101, dropout=0.0)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    optimizer = torch.optim.AdamW(model.parameters())
+    x, y = torch.randint(cfg.vocab_size, (2, 3, cfg.max_seq_len))
+    with ActivationCounter(model) as counter:
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+    optimizer.step()
+    measured = measure_state(model, optimizer)
+    formula = predict(cfg, x.numel())
+    assert measured["parameters"] == formula["parameters"] == 4 * model.num_params()
+    assert measured["gradients"] == formula["gradients"]
+    step_counters = 4 * len(list(model.parameters()))
+    assert measured["optimizer"] == formula["optimizer"] + step_counters
+    positions, loss_scalar = 8 * cfg.max_seq_len, 4
+    assert counter.peak["activations"] == formula["activations"] + positions + loss_scalar
+    # after backward, autograd has let go of everything it saved
+    assert counter.live["activations"] == 0
+
+
+def test_activation_checkpointing_keeps_only_each_blocks_input():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    cfg = get_config("tiny", vocab_size=101, dropout=0.0)
+    model = TransformerLM(cfg)
+    for name in list(model.layers):
+        model.layers[name] = checkpoint_wrapper(model.layers[name])
+    x = torch.randint(cfg.vocab_size, (3, cfg.max_seq_len))
+    with ActivationCounter(model) as counter:
+        F.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    formula = predict(cfg, x.numel(), Layout(checkpointing=True))["activations"]
+    assert_near(counter.peak["activations"], formula, "checkpointed activations", 0.01)
+    assert formula < 0.3 * predict(cfg, x.numel())["activations"]
+
+
+def test_mixed_precision_adamw_without_sharding_is_16_bytes_per_parameter():
+    """The published figure (ZeRO paper, section 3.1): 2 (bf16 weights) + 2 (bf16 gradients)
+    + 12 (fp32 master weights and Adam's two moments)."""
+    assert sum(bytes_per_param("bf16", "adamw", course=False).values()) == 16
+    # the course's own autocast keeps fp32 weights and gradients: 4 + 4 + 8
+    assert sum(bytes_per_param("bf16", "adamw").values()) == 16
+    assert sum(bytes_per_param("fp32", "adamw").values()) == 16
+    assert sum(bytes_per_param("fp32", "sgd").values()) == 8
+
+
+def test_zero_stages_divide_what_they_shard_by_the_data_parallel_ranks():
+    cfg = get_config("workshop", vocab_size=33278)
+    ddp, stages = predict(cfg, 1024, Layout(dp=8)), {
+        z: predict(cfg, 1024, Layout(dp=8, zero=z)) for z in (1, 2, 3)}
+    assert stages[1]["optimizer"] == ddp["optimizer"] / 8
+    assert stages[1]["gradients"] == ddp["gradients"]
+    assert stages[2]["gradients"] == ddp["gradients"] / 8
+    assert stages[2]["parameters"] == ddp["parameters"]
+    assert stages[3]["parameters"] == ddp["parameters"] / 8
+    assert all(s["activations"] == ddp["activations"] for s in stages.values())
