@@ -335,7 +335,8 @@ def infer_layout(model: nn.Module, args, world_size: int) -> Layout:
     sharded = any(hasattr(p, "device_mesh") and any(pl.is_shard() for pl in p.placements)
                   and p.device_mesh.ndim >= 1 for p in model.parameters())
     fsdp = sharded and any(type(m).__name__.startswith("FSDP") for m in model.modules())
-    zero = 3 if fsdp else int(getattr(args, "zero", 0) or 0)
+    named = getattr(args, "layout", None)  # the memory step's --layout
+    zero = 3 if fsdp else 1 if named == "zero1" else 0
     layers = len(inner.layers) if hasattr(inner, "layers") else None
     microbatches = 1
     if hasattr(args, "microbatches") and pp > 1:
@@ -347,7 +348,8 @@ def infer_layout(model: nn.Module, args, world_size: int) -> Layout:
                   last=getattr(inner, "output", None) is not None, microbatches=microbatches,
                   checkpointing=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
                   offload=is_offloaded(model),
-                  reshard=str(getattr(args, "reshard_after_forward", "true")).lower() != "false")
+                  reshard=named != "zero2" and str(getattr(args, "reshard_after_forward",
+                                                           "true")).lower() != "false")
 
 
 def _stage_index(model, stages: int) -> int:
