@@ -1,0 +1,103 @@
+"""The memory step (train/memory_training.py) changes where the bytes go, not what is learnt.
+
+Every layout and gradient accumulation train exactly what one process trains on the same global
+batch (dropout off, same seed): 2 ranks x 2 micro-batches of 4 = 1 process x 16. The breakdown
+each run prints matches the formula of its layout, and gradient accumulation all-reduces once
+per optimizer step (counted with a DDP communication hook).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import read_summary, run_script, script_env
+from model import get_config
+from utils.memory import Layout, predict, relative_error
+
+SOLUTION = "solutions/train/memory_training.py"
+COMMON = ["--dataset", "synthetic", "--preset", "tiny", "--dropout", "0", "--seed", "2",
+          "--logger", "none", "--log-every", "1000", "--epochs", "1", "--max-steps", "3"]
+STEPS, MICRO = 3, 4
+TIMEOUT = 180
+LAYOUTS = {  # name: (extra arguments, the formula's layout for 2 ranks)
+    "zero1": (["--layout", "zero1"], Layout(dp=2, zero=1)),
+    "zero2": (["--layout", "zero2"], Layout(dp=2, zero=3, reshard=False)),
+    "zero3_checkpointing": (["--layout", "zero3", "--activation-checkpointing"],
+                            Layout(dp=2, zero=3, checkpointing=True)),
+    "offload": (["--layout", "offload"], Layout(dp=2, zero=3, offload=True)),
+}
+
+pytestmark = pytest.mark.slow  # 7 runs of real processes: about 1.5 minutes on 2 idle cores
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, data_cache):
+    root = tmp_path_factory.mktemp("memory_lesson")
+    env = script_env(data_cache, COUNT_DIR=root)
+
+    def run(name, *extra, nproc=2, count=False):
+        out = root / name
+        (out / "counts").mkdir(parents=True)
+        script = ["tests/count_allreduces.py", SOLUTION] if count else [SOLUTION]
+        run_script(script[0], *script[1:], *COMMON, *extra, "--out-dir", out, nproc=nproc,
+                   env={**env, "COUNT_DIR": str(out / "counts")}, timeout=TIMEOUT)
+        counts = [int(p.read_text()) for p in sorted((out / "counts").glob("*.txt"))]
+        return {"summary": read_summary(out), "weights": torch.load(out / "final_model.pt"),
+                "allreduces": counts}
+
+    results = {"reference": run("reference", "--batch-size", str(4 * MICRO), nproc=1),
+               "accumulated": run("accumulated", "--batch-size", str(MICRO), "--grad-accum",
+                                  "2", count=True),
+               "one_micro_batch": run("one_micro_batch", "--batch-size", str(2 * MICRO),
+                                      count=True)}
+    for name, (extra, _) in LAYOUTS.items():
+        results[name] = run(name, "--batch-size", str(MICRO), "--grad-accum", "2", *extra)
+    return results
+
+
+def assert_trains_like_the_reference(run, reference):
+    losses, expected = run["summary"]["loss_history"], reference["summary"]["loss_history"]
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for key, value in reference["weights"].items():
+        torch.testing.assert_close(run["weights"][key], value, rtol=1e-4, atol=1e-4, msg=key)
+
+
+def test_gradient_accumulation_equals_one_process_with_the_whole_batch(runs):
+    assert_trains_like_the_reference(runs["accumulated"], runs["reference"])
+    assert runs["accumulated"]["summary"]["global_batch_size"] == 4 * MICRO
+
+
+def test_gradient_accumulation_all_reduces_once_per_optimizer_step(runs):
+    """2 micro-batches per step, no_sync on the first: as many all-reduces as one micro-batch
+    per step (the gradient buckets of STEPS backward passes), not twice as many."""
+    once = runs["one_micro_batch"]["allreduces"]
+    assert len(once) == 2 and once[0] >= STEPS and once[0] % STEPS == 0
+    assert runs["accumulated"]["allreduces"] == once
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_trains_exactly_like_one_process(runs, name):
+    assert_trains_like_the_reference(runs[name], runs["reference"])
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_every_layout_measures_what_the_formula_predicts(runs, name):
+    summary = runs[name]["summary"]
+    cfg = get_config("tiny", vocab_size=summary["model_config"]["vocab_size"], dropout=0.0)
+    formula = predict(cfg, MICRO * cfg.max_seq_len, LAYOUTS[name][1])
+    for rank, breakdown in enumerate(summary["memory"]["per_rank"]):
+        for key in ("parameters", "gradients", "optimizer", "activations", "gathered"):
+            assert relative_error(breakdown["measured"][key], formula[key]) <= 0.01, \
+                f"{name} rank {rank} {key}: {breakdown['measured'][key]} vs {formula[key]:.0f}"
+
+
+def test_sharding_and_checkpointing_shrink_what_they_claim(runs):
+    ddp = runs["accumulated"]["summary"]["memory"]
+    mem = {name: runs[name]["summary"]["memory"] for name in LAYOUTS}
+    assert mem["zero1"]["optimizer"][0] < 0.51 * ddp["optimizer"][0]        # ZeRO-1: the moments
+    assert mem["zero1"]["parameters"] == ddp["parameters"]
+    assert mem["zero2"]["parameters"][0] < 0.51 * ddp["parameters"][0]      # FSDP: everything
+    assert mem["zero2"]["gathered"][0] > 2 * mem["zero3_checkpointing"]["gathered"][0]
+    assert mem["zero3_checkpointing"]["activations"][0] < 0.3 * ddp["activations"][0]
