@@ -207,7 +207,18 @@ class Probe:
             record["ddp"].append({"device_ids": list(device_ids) if device_ids else None,
                                   "module": type(module).__name__,
                                   "line": where[1] if where else None})
-        wrap(DistributedDataParallel, "__init__", before=ddp_init)
+        def ddp_count_allreduces(result, self, *a, **k):
+            # the memory step: DDP's gradient all-reduces, one per bucket and synchronised
+            # backward (only where asked: a Python hook is a little slower than DDP's own)
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            record["allreduces"] = 0
+
+            def counting(state, bucket):
+                record["allreduces"] += 1
+                return default_hooks.allreduce_hook(state, bucket)
+            self.register_comm_hook(self.process_group, counting)
+        wrap(DistributedDataParallel, "__init__", before=ddp_init,
+             after=ddp_count_allreduces if os.environ.get("CHECK_COUNT_ALLREDUCES") else None)
 
         # -- the course's helpers and the collectives: who called them, from which line
         def called(name, **extra_of):

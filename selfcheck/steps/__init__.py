@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import importlib
 
-ORDER = ("ddp", "sbatch", "fsdp", "tp", "pp", "perf", "perf-sbatch", "collectives")
+ORDER = ("ddp", "sbatch", "fsdp", "tp", "pp", "perf", "perf-sbatch", "collectives", "memory")
 MODULES = {"ddp": "ddp", "sbatch": "sbatch", "fsdp": "fsdp", "tp": "tp", "pp": "pp",
-           "perf": "perf", "perf-sbatch": "perf_sbatch", "collectives": "collectives"}
+           "perf": "perf", "perf-sbatch": "perf_sbatch", "collectives": "collectives",
+           "memory": "memory"}
 
 
 def step(name: str):
