@@ -17,6 +17,7 @@ PP = "train/pp_training.py"
 PERF = "train/perf_training.py"
 PERF_SBATCH = "perf_training.sbatch"
 COLL = "train/collectives.py"
+MEM = "train/memory_training.py"
 
 MISTAKES = [
     # ---- DDP ---------------------------------------------------------------------------
@@ -455,6 +456,52 @@ MISTAKES = [
      [("""    steps = sum(1 for e in events if e.get("cat") == "user_annotation"
                 and e.get("name", "").startswith("ProfilerStep#"))""",
        """    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))""")]),
+    # ---- memory ------------------------------------------------------------------------
+    ("memory", MEM, "the loss not divided by the micro-batches", 55,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten())")]),
+    ("memory", MEM, "only the logged loss divided, backward on the whole", 55,
+     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                loss.backward()\n"
+       "                loss = loss / args.grad_accum\n")]),
+    ("memory", MEM, "no no_sync: an all-reduce every micro-batch", 55,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext():")]),
+    ("memory", MEM, "no_sync on the last micro-batch instead of the others", 55,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with no_gradient_sync(model) if last else contextlib.nullcontext():")]),
+    ("memory", MEM, "the whole model checkpointed as one piece", 56,
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
+       "    return model",
+       "    return checkpoint_wrapper(model)")]),
+    ("memory", MEM, "only the MLP of each block checkpointed", 56,
+     [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
+       "        model.layers[name].mlp = checkpoint_wrapper(model.layers[name].mlp)")]),
+    ("memory", MEM, "the wrapped blocks not put back", 56,
+     [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
+       "        checkpoint_wrapper(model.layers[name])")]),
+    ("memory", MEM, "ZeroRedundancyOptimizer of SGD", 57,
+     [("optimizer_class=torch.optim.AdamW,\n", "optimizer_class=torch.optim.SGD,\n")]),
+    ("memory", MEM, "zero1 left with a plain AdamW", 57,
+     [('    if args.layout == "zero1":\n        optimizer = ZeroRedundancyOptimizer(',
+       '    if args.layout == "zero-1":\n        optimizer = ZeroRedundancyOptimizer(')]),
+    ("memory", MEM, "ZeroRedundancyOptimizer without AdamW's arguments", 57,
+     [("optimizer_class=torch.optim.AdamW,\n                                            **adamw)",
+       "optimizer_class=torch.optim.AdamW)")]),
+    ("memory", MEM, "zero2 reshards after forward too", 58,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       "options = dict(reshard_after_forward=True)")]),
+    ("memory", MEM, "offload without CPUOffloadPolicy", 58,
+     [('        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())',
+       "        pass")]),
+    ("memory", MEM, "offload keeps the gathered weights", 58,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       'options = dict(reshard_after_forward=layout == "zero3")')]),
+    ("memory", MEM, "only the root sharded", 58,
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
 ]
 
 # Right solutions written another way: the check must call them all good.
@@ -532,4 +579,23 @@ CORRECT = [
     for e in kernels or gloo:
         total_ms += e["dur"] / 1000
     return total_ms / steps / 1000""")]),
+    ("memory", MEM, "no_sync through DDP's own method",
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("memory", MEM, "the loss divided after the autocast block",
+     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n",
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                loss = loss / args.grad_accum\n")]),
+    ("memory", MEM, "the blocks wrapped by key and value",
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])",
+       "    for name, block in list(model.layers.items()):\n"
+       "        model.layers[name] = checkpoint_wrapper(block)")]),
+    ("memory", MEM, "ZeroRedundancyOptimizer with its arguments spelt out",
+     [("optimizer_class=torch.optim.AdamW,\n                                            **adamw)",
+       "optimizer_class=torch.optim.AdamW,\n"
+       "                                            lr=args.lr, weight_decay=args.weight_decay)")]),
+    ("memory", MEM, "the FSDP options written out per layout",
+     [('    options = dict(reshard_after_forward=layout != "zero2")\n',
+       '    options = {"reshard_after_forward": layout in ("zero3", "offload")}\n')]),
 ]

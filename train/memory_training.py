@@ -157,6 +157,8 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            if micro % args.grad_accum == 0:  # a new optimizer step begins
+                optimizer.zero_grad(set_to_none=True)
             micro += 1
             last = micro % args.grad_accum == 0  # the micro-batch that ends an optimizer step
             # TODO 55: Gradient accumulation. backward() adds to .grad, so N backward passes
@@ -174,7 +176,6 @@ def main():
             if not last:
                 continue
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             step += 1
             throughput.step(x.numel() * world_size * args.grad_accum)
             # the batch's loss: the micro-batches' (scaled) losses add up to their mean

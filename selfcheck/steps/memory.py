@@ -78,9 +78,13 @@ def grad_norms(run) -> list[float]:
 
 
 def same_training(ctx, run, ref, todo: int, what: str) -> bool:
-    """Losses and gradient norms of every step equal the single-process run's."""
+    """Losses and gradient norms of every step equal the single-process run's. (Says nothing
+    when they do: the TODO's own verdict follows; an exercise left as shipped that trains
+    right, e.g. AdamW unsharded, stays "not started".)"""
+    before = len(ctx.report.verdicts.get(todo, []))
     if not check_losses(ctx, run, ref, todo, what):
         return False
+    del ctx.report.verdicts[todo][before:]  # check_losses's ok line
     mine, theirs = grad_norms(run), grad_norms(ref)
     i = first_difference(mine, theirs, 1e-4)
     if i is not None and i < min(len(mine), len(theirs)):
