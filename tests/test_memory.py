@@ -8,6 +8,8 @@ started it, not read back from the script, so a wrong guess in either is caught.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -180,3 +182,71 @@ def test_zero_stages_divide_what_they_shard_by_the_data_parallel_ranks():
     assert stages[2]["parameters"] == ddp["parameters"]
     assert stages[3]["parameters"] == ddp["parameters"] / 8
     assert all(s["activations"] == ddp["activations"] for s in stages.values())
+
+
+# ---- the planner (tools/memory_plan.py) uses the same formula ----------------------------
+def planner():
+    from conftest import load_script
+    return load_script("tools/memory_plan.py")
+
+
+def planned_total(row: dict) -> float:
+    return row["gpu_total"] + row["host_total"]
+
+
+def measured_total(memory: dict, rank: int = 0) -> float:
+    return memory["total"][rank] + memory["gathered"][rank]
+
+
+@pytest.mark.slow
+def test_the_planner_agrees_with_the_measured_runs_within_10_percent(runs):
+    tool = planner()
+    vocab = runs["ddp"][0]["model_config"]["vocab_size"]
+    cfg = get_config("tiny", vocab_size=vocab, dropout=0.0)
+    two = tool.plan(cfg, gpus=2, gpu_memory_gib=1, batch_size=BATCH, precision="fp32")["layouts"]
+    tp = tool.plan(cfg, gpus=2, gpu_memory_gib=1, batch_size=BATCH, precision="fp32",
+                   tp=2)["layouts"]
+    for run, row in (("ddp", two["DDP"]), ("fsdp", two["ZeRO-3 (FSDP)"]),
+                     ("fsdp_no_reshard", two["FSDP, reshard_after_forward=False"]),
+                     ("tp", tp["ZeRO-3 (FSDP)"])):  # the TP step shards its one replica with FSDP
+        measured = measured_total(runs[run][0]["memory"])
+        assert relative_error(measured, planned_total(row)) <= 0.10, (run, measured, row)
+
+
+@pytest.mark.parametrize("preset", ["small", "workshop"])
+def test_the_planner_agrees_with_one_measured_step_of_the_larger_presets(preset):
+    """One process, one sequence (the workshop model's AdamW state is left to the formula,
+    which the tiny runs hold to the byte: creating it would take 1.3 GB)."""
+    cfg = get_config(preset, vocab_size=33278, dropout=0.0)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg)
+    x, y = torch.randint(cfg.vocab_size, (2, 1, cfg.max_seq_len))
+    with ActivationCounter(model) as counter:
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
+    measured = measure_state(model)
+    measured_bytes = measured["parameters"] + measured["gradients"] + counter.peak["activations"]
+    row = planner().plan(cfg, gpus=1, gpu_memory_gib=80, batch_size=1,
+                         precision="fp32")["layouts"]["DDP"]
+    planned = row["parameters"] + row["gradients"] + row["activations"]
+    assert relative_error(measured_bytes, planned) <= 0.10
+    assert row["optimizer"] == 2 * row["parameters"]
+
+
+def test_the_planner_says_16_bytes_per_parameter_for_mixed_precision_adamw(tmp_path):
+    out = tmp_path / "plan.json"
+    planner().main(["--params", "7e9", "--gpus", "8", "--gpu-memory", "80", "--json", str(out)])
+    result = json.loads(out.read_text())
+    ddp = result["layouts"]["DDP"]
+    state = ddp["parameters"] + ddp["gradients"] + ddp["optimizer"]
+    assert state / 7e9 == pytest.approx(16)
+    assert not ddp["fits"]  # 112 GB of state on an 80 GiB GPU
+    zero3 = result["layouts"]["ZeRO-3 (FSDP)"]
+    assert (zero3["parameters"] + zero3["gradients"] + zero3["optimizer"]) / 7e9 == \
+        pytest.approx(16 / 8)
+    assert zero3["fits"]
+
+
+def test_the_planner_refuses_degrees_that_do_not_divide_the_gpus():
+    with pytest.raises(SystemExit) as stop:
+        planner().main(["--params", "7e9", "--gpus", "6", "--tp", "4"])
+    assert "--gpus 6 must be a multiple of --tp 4" in str(stop.value.code)
