@@ -12,6 +12,7 @@ import os
 import shutil
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -193,6 +194,7 @@ def destroy_process_group() -> None:
     before the group does, then wait for every rank, so none tears down while another still
     communicates.
     """
+    finish_checkpoint_saves()  # an asynchronous save still writing: seal it first
     if dist.is_initialized():
         gc.collect()
         dist.barrier()
@@ -317,6 +319,18 @@ def atomic_folder(path: str | os.PathLike, expected_bytes=None):
     `expected_bytes`, a function called on every rank) and .NAME.partial is deleted.
     """
     path = Path(path)
+    partial = _open_partial(path, expected_bytes)
+    error = None
+    try:
+        yield partial
+    # (DCP's CheckpointException is a BaseException, not an Exception)
+    except (Exception, CheckpointException) as e:  # every rank must learn of it, all stop
+        error = e
+    _close_partial(error, path, partial, expected_bytes)
+
+
+def _open_partial(path: Path, expected_bytes=None) -> Path:
+    """atomic_folder's start: an empty .NAME.partial, on every rank (a collective)."""
     partial, old = _sibling(path, "partial"), _sibling(path, "old")
     error = None
     if is_root_process():
@@ -328,13 +342,14 @@ def atomic_folder(path: str | os.PathLike, expected_bytes=None):
         except OSError as e:
             error = e
     _stop_if_any_failed(error, path, partial, expected_bytes)
-    try:
-        yield partial
-    # (DCP's CheckpointException is a BaseException, not an Exception)
-    except (Exception, CheckpointException) as e:  # every rank must learn of it, all stop
-        error = e
+    return partial
+
+
+def _close_partial(error, path: Path, partial: Path, expected_bytes=None) -> None:
+    """atomic_folder's end: every rank has written (or failed); seal .NAME.partial as NAME."""
     _stop_if_any_failed(error, path, partial, expected_bytes)  # also: every rank is done writing
-    _stop_if_any_failed(_seal_folder(partial, path, old), path, partial, expected_bytes)
+    _stop_if_any_failed(_seal_folder(partial, path, _sibling(path, "old")), path, partial,
+                        expected_bytes)
     barrier()  # nobody reads `path` before it is complete
 
 
@@ -407,16 +422,76 @@ def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
     checkpoint untouched; a full disk ends the run with one line (CheckpointError).
     """
     path = Path(path)
+    started = time.perf_counter()
+    finish_checkpoint_saves()  # an asynchronous save still writing: seal it first
     _stop_if_weights_are_not_finite(model, path, (train_state or {}).get("step"))
-    with atomic_folder(path, lambda: _checkpoint_bytes(path, model, optimizer)) as folder:
-        dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=folder)
-        (folder / RNG_FOLDER).mkdir(exist_ok=True)
-        states = io.BytesIO()
-        torch.save(rng_states(), states)
-        write_synced(folder / RNG_FOLDER / f"rank_{get_rank()}.pt", states.getvalue())
-        if is_root_process():
-            write_synced(folder / TRAIN_STATE_FILE, json.dumps(train_state or {}, indent=1) + "\n")
+    expected = lambda: _checkpoint_bytes(path, model, optimizer)  # noqa: E731
+    if not _ASYNC["enabled"]:
+        with atomic_folder(path, expected) as folder:
+            dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=folder)
+            _write_train_and_rng_state(folder, train_state)
+        _ASYNC["blocking_s"].append(time.perf_counter() - started)
+        return path
+    # dcp.async_save copies this rank's shards to host memory and returns; a thread writes the
+    # files (on a process group of its own: collectives of two threads must not share one)
+    # while training goes on. The folder is sealed by the next save or finish_checkpoint_saves.
+    partial = _open_partial(path, expected)
+    if _ASYNC["group"] is None:
+        _ASYNC["group"] = dist.new_group(backend="gloo") if dist.is_initialized() else None
+    error = None
+    try:
+        _write_train_and_rng_state(partial, train_state)
+        future = dcp.async_save({"app": AppState(model, optimizer)}, checkpoint_id=partial,
+                                process_group=_ASYNC["group"])
+        _ASYNC["pending"] = (future, path, partial, expected)
+    except (Exception, CheckpointException) as e:
+        error = e
+    if error is not None:
+        _close_partial(error, path, partial, expected)  # raises CheckpointError on every rank
+    _ASYNC["blocking_s"].append(time.perf_counter() - started)
     return path
+
+
+# dcp.async_save (--async-save): whether saves are asynchronous, the save still writing, the
+# process group its thread uses, and how long every save call blocked the training loop
+_ASYNC = {"enabled": False, "pending": None, "group": None, "blocking_s": []}
+
+
+def use_async_checkpoint_saves(enabled: bool = True) -> None:
+    """From now on save_sharded_model returns once this rank's shards are copied to host memory
+    (dcp.async_save); the files are written while training continues. A checkpoint folder
+    appears (complete, atomically) when the next save starts or finish_checkpoint_saves() is
+    called: so a kill loses at most two --checkpoint-every intervals, not one."""
+    _ASYNC["enabled"] = enabled
+
+
+def finish_checkpoint_saves() -> None:
+    """Wait for an asynchronous save still writing and seal its folder (call on every rank,
+    before reading a checkpoint or leaving the process group)."""
+    if _ASYNC["pending"] is None:
+        return
+    future, path, partial, expected = _ASYNC["pending"]
+    _ASYNC["pending"] = None
+    error = None
+    try:
+        future.result()
+    except (Exception, CheckpointException) as e:
+        error = e
+    _close_partial(error, path, partial, expected)
+
+
+def checkpoint_blocking_seconds() -> list[float]:
+    """How long each save_sharded_model call held up training, in order."""
+    return list(_ASYNC["blocking_s"])
+
+
+def _write_train_and_rng_state(folder: Path, train_state: dict | None) -> None:
+    (folder / RNG_FOLDER).mkdir(exist_ok=True)
+    states = io.BytesIO()
+    torch.save(rng_states(), states)
+    write_synced(folder / RNG_FOLDER / f"rank_{get_rank()}.pt", states.getvalue())
+    if is_root_process():
+        write_synced(folder / TRAIN_STATE_FILE, json.dumps(train_state or {}, indent=1) + "\n")
 
 
 def _stop_if_weights_are_not_finite(model: nn.Module, path: Path, step) -> None:
@@ -584,6 +659,7 @@ def load_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
     checkpoint, or with `model_config` a checkpoint of another model, ends the run with one
     line (CheckpointError) before any tensor is read.
     """
+    finish_checkpoint_saves()  # an asynchronous save of this run still writing
     path = usable_checkpoint(path)
     train_state = read_train_state(path)
     saved = train_state.get("model_config")

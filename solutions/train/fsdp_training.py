@@ -38,6 +38,7 @@ from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_
 from utils.metrics import (Throughput, flops_per_token, model_state_bytes, peak_memory_bytes,
                            perplexity, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
+from utils.distributed_utils import checkpoint_blocking_seconds, use_async_checkpoint_saves
 from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
@@ -96,6 +97,9 @@ def parse_args():
                              "OUT_DIR/checkpoints/last), or auto: from the newest complete "
                              "checkpoint in OUT_DIR/checkpoints if there is one. A run restarted "
                              "by torchrun or Slurm always does auto")
+    parser.add_argument("--async-save", action="store_true",
+                        help="dcp.async_save: a checkpoint blocks training only while the "
+                             "shards are copied to host memory; the files are written meanwhile")
     return parser.parse_args()
 
 
@@ -108,6 +112,7 @@ def main():
     # Every rank is seeded alike, so every rank builds the same initial weights.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
+    use_async_checkpoint_saves(args.async_save)  # --async-save: dcp.async_save (docs/memory.md)
     # auto: bf16 on a GPU that has it, else fp32 (see utils/precision.py)
     args.precision = set_precision(args.precision, device)
 
@@ -253,7 +258,8 @@ def main():
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         model_state_bytes_per_rank=state_bytes, peak_mem_bytes_per_rank=peak_bytes,
-        memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
+        memory=monitor.memory,  # the breakdown after the first step (utils/memory.py)
+        checkpoint_save_blocking_s=checkpoint_blocking_seconds(), async_save=args.async_save)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     print0("memory per rank (MiB): weights+gradients+optimizer "
