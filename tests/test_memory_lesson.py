@@ -101,3 +101,57 @@ def test_sharding_and_checkpointing_shrink_what_they_claim(runs):
     assert mem["zero2"]["parameters"][0] < 0.51 * ddp["parameters"][0]      # FSDP: everything
     assert mem["zero2"]["gathered"][0] > 2 * mem["zero3_checkpointing"]["gathered"][0]
     assert mem["zero3_checkpointing"]["activations"][0] < 0.3 * ddp["activations"][0]
+
+
+# ---- the FSDP step's --async-save -----------------------------------------------------------
+@pytest.fixture(scope="module")
+def saves(tmp_path_factory, data_cache):
+    """The FSDP solution on 2 ranks with a checkpoint every 2 steps, saved with dcp.save and
+    with dcp.async_save."""
+    root = tmp_path_factory.mktemp("async_save")
+    env = script_env(data_cache)
+    out = {}
+    for name, extra in (("blocking", []), ("async", ["--async-save"])):
+        run_script("solutions/train/fsdp_training.py", *COMMON[:-4], "--max-steps", "6",
+                   "--epochs", "1", "--batch-size", "4", "--checkpoint-every", "2", *extra,
+                   "--out-dir", root / name, nproc=2, env=env, timeout=TIMEOUT)
+        out[name] = root / name
+    return out
+
+
+def checkpoint_tensors(folder):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    path = folder.parent / (folder.name + ".pt")
+    dcp_to_torch_save(folder, path)
+    return torch.load(path, weights_only=False)
+
+
+def flat(state, prefix=""):
+    if isinstance(state, dict):
+        return {k2: v2 for k, v in state.items() for k2, v2 in flat(v, f"{prefix}{k}.").items()}
+    return {prefix: state}
+
+
+def test_an_asynchronous_save_writes_the_same_complete_checkpoint(saves):
+    import json
+    for name in ("last", "best"):
+        a, b = (saves[run] / "checkpoints" / name for run in ("blocking", "async"))
+        assert (b / "manifest.json").is_file(), list(b.iterdir())  # sealed: complete
+        assert json.loads((a / "train_state.json").read_text()) == \
+            json.loads((b / "train_state.json").read_text())
+        mine, theirs = flat(checkpoint_tensors(b)), flat(checkpoint_tensors(a))
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            if isinstance(value, torch.Tensor):
+                torch.testing.assert_close(mine[key], value, rtol=0, atol=0, msg=key)
+    # nothing half-written left beside them
+    assert not list((saves["async"] / "checkpoints").glob(".*partial*"))
+
+
+def test_every_save_reports_how_long_it_blocked_training(saves):
+    blocking, asynchronous = (read_summary(saves[run]) for run in ("blocking", "async"))
+    assert asynchronous["async_save"] and not blocking["async_save"]
+    # 3 saves of "last" (steps 2, 4, 6), the end-of-epoch "best" and "last"
+    assert len(asynchronous["checkpoint_save_blocking_s"]) == \
+        len(blocking["checkpoint_save_blocking_s"]) >= 4
+    assert all(t > 0 for t in asynchronous["checkpoint_save_blocking_s"])
