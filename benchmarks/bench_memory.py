@@ -68,6 +68,25 @@ def layout_table(preset: str, ranks_list: list[int], batch: int, steps: int, tmp
                   f"{s['tokens_per_s']:.0f} |", flush=True)
 
 
+def checkpointing_table(preset: str, batch: int, steps: int, repeats: int, tmp: Path) -> None:
+    print(f"\n### Activation checkpointing: bytes saved, time paid (1 process, preset {preset}, "
+          f"{batch} sequences, {steps} steps, median of {repeats} runs, alternating)\n")
+    print("| blocks | activations MiB | step ms | tokens/s |")
+    print("|---|---|---|---|")
+    results = {False: [], True: []}
+    for i in range(repeats):
+        for ac in (False, True):
+            s = run("solutions/train/memory_training.py", 1, tmp / f"ac{ac}{i}", "--preset", preset,
+                    "--batch-size", str(batch), "--max-steps", str(steps),
+                    *(["--activation-checkpointing"] if ac else []))
+            results[ac].append((s["memory"]["activations"][0], s["tokens_per_s"],
+                                batch * s["seq_len"]))
+    for ac, rows in results.items():
+        rate = sorted(r[1] for r in rows)[len(rows) // 2]
+        print(f"| {'checkpointed' if ac else 'kept'} | {rows[0][0] / MiB:.2f} | "
+              f"{1000 * rows[0][2] / rate:.1f} | {rate:.0f} |", flush=True)
+
+
 def async_table(preset: str, batch: int, steps: int, every: int, tmp: Path) -> None:
     print(f"\n### A checkpoint save blocks training (s per save): FSDP step, preset {preset}, "
           f"2 ranks, --checkpoint-every {every}\n")
@@ -89,12 +108,17 @@ def main() -> None:
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--only", choices=["layouts", "checkpointing", "async"])
     args = p.parse_args()
     import torch
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}")
     with tempfile.TemporaryDirectory() as tmp:
-        layout_table(args.preset, args.ranks, args.batch_size, args.steps, Path(tmp))
-        async_table(args.preset, args.batch_size, 4 * args.steps, 4, Path(tmp))
+        if args.only in (None, "layouts"):
+            layout_table(args.preset, args.ranks, args.batch_size, args.steps, Path(tmp))
+        if args.only in (None, "checkpointing"):
+            checkpointing_table(args.preset, args.batch_size, 3 * args.steps, 3, Path(tmp))
+        if args.only in (None, "async"):
+            async_table(args.preset, args.batch_size, 4 * args.steps, 4, Path(tmp))
 
 
 if __name__ == "__main__":

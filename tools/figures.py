@@ -632,10 +632,54 @@ def storage() -> Svg:
     return s
 
 
+def memory() -> Svg:
+    """Bytes per GPU of the workshop model on 2 nodes x 4 GPUs for each layout of the memory
+    step: utils/memory.py's formula (what every script prints next to its measurement)."""
+    from utils.memory import Layout, predict
+    cfg = workshop_model().cfg
+    gpus, batch = NODES * GPUS_PER_NODE, 32
+    rows = [("DDP", Layout(dp=gpus)), ("ZeRO-1", Layout(dp=gpus, zero=1)),
+            ("ZeRO-2", Layout(dp=gpus, zero=2)),
+            ("ZeRO-3 (FSDP)", Layout(dp=gpus, zero=3)),
+            ("+ activation ckpt", Layout(dp=gpus, zero=3, checkpointing=True)),
+            ("+ CPU offload", Layout(dp=gpus, zero=3, offload=True, checkpointing=True))]
+    parts = [("parameters", "parameters"), ("gradients", "gradients"),
+             ("optimizer", "AdamW state"), ("activations", "activations"),
+             ("gathered", "gathered weights")]
+    numbers = [(name, layout, predict(cfg, batch * cfg.max_seq_len, layout, precision="bf16"))
+               for name, layout in rows]
+    on_gpu = [sum(v[k] for k, _ in parts) - (sum(v[k] for k in ("parameters", "gradients",
+                                                                  "optimizer"))
+                                               if layout.offload else 0)
+              for _, layout, v in numbers]
+    top, row_h, left, right = 56, 52, 200, 130
+    scale = (WIDTH - left - right) / max(on_gpu)
+    svg = Svg(top + row_h * len(rows) + 10,
+              f"Bytes per GPU, workshop model, {gpus} GPUs, batch {batch}, bf16")
+    x = 10
+    for i, (_, label) in enumerate(parts):  # the legend
+        svg.rect(x, 12, 22, 22, fill=RANK_COLOURS[i], stroke=RANK_COLOURS[i], rx=3)
+        svg.text(x + 30, 30, label, size=18, anchor="start")
+        x += 40 + 11 * len(label)
+    for r, ((name, layout, v), total) in enumerate(zip(numbers, on_gpu, strict=True)):
+        y = top + r * row_h
+        svg.text(left - 12, y + 30, name, size=18, anchor="end")
+        x = left
+        for i, (key, _) in enumerate(parts):
+            if layout.offload and key in ("parameters", "gradients", "optimizer"):
+                continue  # in host memory
+            w = v[key] * scale
+            if w > 0.5:
+                svg.rect(x, y + 8, w, 34, fill=RANK_COLOURS[i], stroke="white", rx=2, width=1)
+            x += w
+        svg.text(x + 10, y + 31, f"{total / 2**30:.2f} GiB", size=18, anchor="start")
+    return svg
+
+
 FIGURES = {
     "ranks": ranks, "rendezvous": rendezvous, "collectives": collectives, "ddp": ddp,
     "fsdp": fsdp, "tp": tp, "mesh": mesh, "pp-stages": pp_stages, "pp-schedule": pp_schedule,
-    "sampler": sampler, "storage": storage,
+    "sampler": sampler, "storage": storage, "memory": memory,
 }
 
 
