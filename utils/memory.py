@@ -377,8 +377,9 @@ def breakdown(model, optimizer, counter: ActivationCounter, cfg, tokens: int, la
     measured["activations"] = counter.peak["activations"]
     measured["weight_copies"] = counter.peak["weight_copies"]
     measured["gathered"] = counter.peak["gathered"]
-    out = {"measured": measured,
-           "formula": predict(cfg, tokens, layout, precision=precision),
+    # (a model that is not the course's TransformerLM has no shape for the formula)
+    formula = predict(cfg, tokens, layout, precision=precision) if cfg is not None else None
+    out = {"measured": measured, "formula": formula,
            "layout": asdict(layout), "tokens_per_microbatch": tokens,
            "where": "host" if layout.offload and device.type == "cuda" else device.type}
     if device.type == "cuda":
@@ -390,6 +391,8 @@ def breakdown(model, optimizer, counter: ActivationCounter, cfg, tokens: int, la
 def format_breakdown(result: dict) -> str:
     """One line: measured MiB per category, the formula's in brackets."""
     m, f = result["measured"], result["formula"]
+    if f is None:
+        f = {k: math.nan for k in (*CATEGORIES, "gathered")}
     parts = [f"{k} {m[k] / MiB:.2f} ({f[k] / MiB:.2f})" for k in CATEGORIES]
     total = sum(m[k] for k in CATEGORIES)
     line = (f"memory per rank, MiB measured (formula): {', '.join(parts)}; "

@@ -65,7 +65,8 @@ def memory_summary(ranks: list[dict]) -> dict:
     for k in ("peak", "reserved"):
         if all(k in r["measured"] for r in ranks):
             out[k] = [r["measured"][k] for r in ranks]
-    out["formula"] = {k: [r["formula"][k] for r in ranks] for k in (*CATEGORIES, "gathered")}
+    out["formula"] = {k: [r["formula"][k] if r["formula"] else None for r in ranks]
+                      for k in (*CATEGORIES, "gathered")}
     out["per_rank"] = ranks
     return out
 
@@ -192,8 +193,10 @@ class TrainingMonitor:
         if self.activations is None:
             return
         self.activations.__exit__(None, None, None)
+        from model.transformer import ModelConfig
         cfg = getattr(self.model, "cfg", None) or getattr(getattr(self.model, "module", None),
                                                           "cfg", None)
+        cfg = cfg if isinstance(cfg, ModelConfig) else None
         mine = breakdown(self.model, optimizer, self.activations, cfg, self.tokens,
                          infer_layout(self.model, self.args, get_world_size()), self.device,
                          self.precision)
