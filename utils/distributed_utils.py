@@ -6,8 +6,11 @@ Every function works under torchrun (one process per GPU or CPU slot) and in a p
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
+import logging
 import os
 import shutil
 import socket
@@ -21,11 +24,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from utils.files import atomic_torch_save
+from utils.files import (atomic_torch_save, crc32_file, disk_full_message, fsync_folder,
+                         is_disk_full, write_synced)
 from utils.launch import (WaitReporter, check_launch_environment, dist_timeout,
                           rendezvous_store, warn_about_torchrun_restarts)
+from utils.rng import rng_states, set_rng_states
 
 # A crashed or stuck rank makes the others fail after this long instead of hanging for the
 # default 10 (NCCL) or 30 (gloo) minutes. Raise it with DIST_TIMEOUT_MINUTES for huge checkpoints.
@@ -201,14 +207,6 @@ def destroy_process_group() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints of sharded models (FSDP, tensor parallelism): Distributed Checkpoint (DCP)
-
-# (imports of this section only)
-import contextlib  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-import io  # noqa: E402
-from utils.files import (crc32_file, disk_full_message, fsync_folder, is_disk_full,  # noqa: E402
-                         write_synced)
-from utils.rng import rng_states, set_rng_states  # noqa: E402
 
 TRAIN_STATE_FILE = "train_state.json"
 MANIFEST = "manifest.json"  # the completion marker of a checkpoint folder: its files and CRC-32s
@@ -618,6 +616,27 @@ def _restore_rng_states(path: Path) -> None:
     set_rng_states(torch.load(saved[rank], weights_only=True))
 
 
+class _SequentialGathers(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("While redistributing") and "all_gather" in message)
+
+
+@contextlib.contextmanager
+def quiet_sequential_gathers():
+    """Leave out DTensor's warning that a weight sharded over two mesh dimensions (TP x FSDP)
+    is gathered by two all_gathers in a row, which "may give inconsistent results between
+    ranks due to different reduction orders": a gather adds nothing up, so for it that cannot
+    happen (docs/tp.md). Other warnings of DTensor still show."""
+    quiet = _SequentialGathers()
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Gather the full weights on rank 0 (into CPU memory) and write one ordinary state_dict.
 
@@ -627,7 +646,8 @@ def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
     ranks receive an empty dict.
     """
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    with quiet_sequential_gathers():
+        state = get_model_state_dict(model, options=options)
     if is_root_process():
         atomic_torch_save(state, path)
     barrier()

@@ -45,7 +45,7 @@ from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slur
 from utils.launch import check_launch_environment
 from utils.lit_checkpoints import AtomicCheckpointIO, RandomStates, resume_path
 from utils.lit_data import WikiText2DataModule
-from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity,
+from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity, speed_text,
                            training_summary, write_summary)
 from utils.monitor import TrainingMonitor
 from utils.precision import compile_blocks, lightning_precision, set_precision
@@ -378,7 +378,7 @@ def main():
         start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,
         devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{speed_text(summary)}")
     write_summary(out_dir, summary)
     course_log.monitor.close(summary)
     # Lightning would destroy the process group at exit; doing it here, after freeing the wrapped
