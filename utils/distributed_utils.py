@@ -141,6 +141,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _no_diverged_loss_unread() -> None:
+    """Before a save: stop if a loss kept on the GPU was NaN (utils/checks.py)."""
+    from utils.checks import stop_if_a_loss_was_not_finite  # (checks imports this module)
+    stop_if_a_loss_was_not_finite()
+
+
 def save0(model_or_state_dict, path: str | os.PathLike) -> None:
     """Save a state dict on the root process only.
 
@@ -148,6 +154,7 @@ def save0(model_or_state_dict, path: str | os.PathLike) -> None:
     loads with torch.load(weights_only=True) into a fresh, unwrapped model. Pickling the module
     itself would tie the file to this code and to DDP.
     """
+    _no_diverged_loss_unread()
     state = model_or_state_dict
     if isinstance(state, nn.Module):
         state = unwrap(state).state_dict()
@@ -314,6 +321,7 @@ def atomic_folder(path: str | os.PathLike, expected_bytes=None):
     raise CheckpointError with one line (a full disk: the space to free, estimated by
     `expected_bytes`, a function called on every rank) and .NAME.partial is deleted.
     """
+    _no_diverged_loss_unread()
     path = Path(path)
     partial, old = _sibling(path, "partial"), _sibling(path, "old")
     error = None
@@ -645,6 +653,7 @@ def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
     for inference or sharing. cpu_offload keeps the full model out of GPU memory; the other
     ranks receive an empty dict.
     """
+    _no_diverged_loss_unread()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     with quiet_sequential_gathers():
         state = get_model_state_dict(model, options=options)
