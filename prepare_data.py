@@ -47,7 +47,7 @@ def main() -> int:
     if args.data_dir or cached or hub_reachable():
         try:  # a damaged cache is downloaded again (or refused with one line when offline)
             corpus = load_corpus(args.dataset, args.data_dir, cache_dir, warn=print,
-                                 max_vocab=args.max_vocab)
+                                 max_vocab=args.max_vocab, cache_required=True)
         except DataUnavailableError as e:
             print(f"prepare_data: error: {e}", file=sys.stderr)
             return 1

@@ -154,6 +154,18 @@ def test_regenerating_backs_up_edited_exercise_files_with_one_warning_each(tmp_p
         (tmp_path / "course" / "train" / "x.py").read_text(), "exercise")
 
 
+def test_two_regenerations_within_one_second_keep_both_backups(tmp_path, capsys, monkeypatch):
+    make_course(tmp_path)
+    assert exercises.main([], root=tmp_path) == 0
+    monkeypatch.setattr(exercises.time, "strftime", lambda fmt: "20260101-120000")  # one second
+    for edit in ("first edit\n", "second edit\n"):
+        (tmp_path / "train" / "x.py").write_text(edit)
+        assert exercises.main([], root=tmp_path) == 0
+    backups = sorted((p.parent.parent.name, p.read_text())
+                     for p in (tmp_path / "backups").rglob("x.py"))
+    assert backups == [("20260101-120000", "first edit\n"), ("20260101-120000-2", "second edit\n")]
+
+
 def test_regenerating_unchanged_files_backs_up_nothing(tmp_path, capsys):
     make_course(tmp_path)
     assert exercises.main([], root=tmp_path) == 0

@@ -24,6 +24,7 @@ from model import ModelConfig, TransformerLM
 from utils.data import IGNORE_INDEX, TokenWindows, load_corpus
 
 pytest.importorskip("lightning")
+from utils.lit_checkpoints import AtomicCheckpointIO  # noqa: E402 (needs lightning)
 
 LIT_SCRIPT = "train/Lit_training.py"
 # --seq-len 31 gives the synthetic validation split 349 windows: odd, so with 2 ranks one rank
@@ -123,8 +124,13 @@ def test_fsdp2_through_model_parallel_strategy_trains_like_ddp(lit_ddp, data_cac
     # Both ranks read different batches (data_parallel_size=2): otherwise the losses would differ.
     assert fsdp["loss_history"] == pytest.approx(ddp["loss_history"], rel=1e-5, abs=0)
     assert fsdp["val_loss"] == pytest.approx(ddp["val_loss"], rel=1e-4, abs=0)
-    # Lightning saved a sharded (Distributed Checkpoint) folder.
-    assert (tmp_path / "checkpoints" / "last.ckpt" / ".metadata").is_file()
+    # One .ckpt file (gathered on rank 0), written atomically like DDP's: Lightning writes its
+    # sharded folders in place, so a kill would leave half of one.
+    assert (tmp_path / "checkpoints" / "last.ckpt").is_file()
+    torch.testing.assert_close(checkpoint_model(tmp_path / "checkpoints" / "last.ckpt")
+                               .state_dict()["output.weight"],
+                               checkpoint_model(lit_ddp[0] / "checkpoints" / "last.ckpt")
+                               .state_dict()["output.weight"], rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------ no launching
@@ -169,7 +175,8 @@ def test_a_task_of_a_two_node_four_task_per_node_job_derives_num_nodes_2_and_dev
         no_slurm.setenv(key, value)
     _, settings = settings_for(no_slurm, "--accelerator", "cpu", "--strategy", strategy)
     assert (settings["num_nodes"], settings["devices"]) == (2, 4)
-    env, = settings["plugins"]
+    env, checkpoint_io = settings["plugins"]
+    assert isinstance(checkpoint_io, AtomicCheckpointIO)
     # requeue by the script's RequeueAtTimeLimit, not by Lightning's signal handler
     assert isinstance(env, SLURMEnvironment) and not env.auto_requeue
     if strategy == "fsdp2":  # every process is a data-parallel rank
@@ -188,7 +195,8 @@ def test_a_task_of_a_two_node_four_task_per_node_job_derives_num_nodes_2_and_dev
 
 def test_without_slurm_the_script_runs_two_cpu_processes_on_one_node(no_slurm):
     _, settings = settings_for(no_slurm, "--accelerator", "cpu")
-    assert (settings["num_nodes"], settings["devices"], settings["plugins"]) == (1, 2, [])
+    assert (settings["num_nodes"], settings["devices"]) == (1, 2)
+    assert [type(p) for p in settings["plugins"]] == [AtomicCheckpointIO]  # no cluster plugin
     _, settings = settings_for(no_slurm, "--accelerator", "cpu", "--devices", "1")
     assert settings["devices"] == 1
 
@@ -215,9 +223,10 @@ def test_plain_pytorch_scripts_run_without_lightning_installed():
     # ...and the Lightning files are the only ones that import it.
     importers = {p.relative_to(ROOT).as_posix()
                  for folder in ("model", "utils", "course")
-                 for p in (ROOT / folder).rglob("*.py") if "import lightning" in p.read_text()}
+                 for p in (ROOT / folder).rglob("*.py")
+                 if "import lightning" in p.read_text() or "from lightning" in p.read_text()}
     assert importers == {"model/transformerLM.py", "utils/lit_data.py",
-                         "course/train/Lit_training.py"}
+                         "utils/lit_checkpoints.py", "course/train/Lit_training.py"}
 
 
 # ------------------------------------------------------------------------------ auto-requeue
@@ -258,11 +267,14 @@ def test_sigusr1_before_the_time_limit_saves_requeues_and_the_requeued_job_resum
     interrupted_at = saved["global_step"]
     assert interrupted_at >= 2
 
-    # The requeued job: the same command, job id and OUT_DIR. It resumes from the checkpoint
-    # (and this time stops 3 steps later).
+    # The requeued job: the same command, job id and OUT_DIR, and SLURM_RESTART_COUNT=1. It
+    # resumes from the checkpoint (and this time stops 3 steps later).
     second = subprocess.run([*map(str, cmd), "--max-steps", str(interrupted_at + 3)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=180)
+                            env={**env, "SLURM_RESTART_COUNT": "1"}, capture_output=True,
+                            text=True, timeout=180)
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert (f"Slurm restart 1: continuing from the newest complete checkpoint "
+            f"{out / 'hpc_ckpt_1.ckpt'} (step {interrupted_at})") in second.stdout
     assert "Restored all states from the checkpoint" in second.stdout + second.stderr
     summary = read_summary(out)
     assert summary["steps"] == interrupted_at + 3

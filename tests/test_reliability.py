@@ -7,8 +7,10 @@ and that files from before are unchanged. docs/reliability.md lists the cases.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +26,9 @@ from distributed import free_port
 DDP = "solutions/train/to_distributed_training.py"
 SCRIPTS = {"ddp": DDP, "fsdp": "solutions/train/fsdp_training.py",
            "tp": "solutions/train/tp_training.py", "pp": "solutions/train/pp_training.py",
-           "nd": "solutions/train/nd_training.py", "lit": "train/Lit_training.py"}
+           "nd": "solutions/train/nd_training.py", "perf": "solutions/train/perf_training.py",
+           "lit": "train/Lit_training.py"}
+FAULTS = ROOT / "tests" / "faults"  # sitecustomize.py: a full disk for any user, kills
 TINY = ("--preset", "tiny", "--dataset", "synthetic", "--logger", "none")
 LIT_CPU = ("--accelerator", "cpu", "--devices", "1")
 
@@ -104,10 +108,11 @@ def test_a_bad_script_specific_flag_stops_with_one_line_naming_it(tmp_path, scri
 
 
 # ---------------------------------------------------------------------------- data
+@pytest.mark.parametrize("script", ["ddp", "perf"])
 def test_fewer_training_windows_than_one_batch_stops_at_once_with_the_sizes_that_work(
-        tmp_path, data_cache):
+        tmp_path, data_cache, script):
     start = time.monotonic()
-    proc = run(DDP, *TINY, "--seq-len", "8000", "--out-dir", tmp_path / "run",
+    proc = run(SCRIPTS[script], *TINY, "--seq-len", "8000", "--out-dir", tmp_path / "run",
                COURSE_DATA_CACHE=data_cache)
     line = error_line(proc, "the train split of synthetic has", "13 windows of --seq-len 8000",
                       "one global batch of 32", "--seq-len 3340 or less",
@@ -163,17 +168,79 @@ def test_a_data_file_that_is_not_utf8_is_named_with_its_line_and_byte(tmp_path, 
 def test_a_truncated_cache_is_rebuilt_with_one_warning_naming_it(tmp_path, text_dir):
     cache = tmp_path / "cache"
     args = (*TINY[:2], "--data-dir", text_dir, "--cache-dir", cache, "--max-steps", "0",
-            "--logger", "none", "--out-dir", tmp_path / "run")
+            "--logger", "none", "--out-dir", tmp_path / "run", "--overwrite")
     run_script(DDP, *args)
     cache_file, = cache.glob("*.pt")
     good = cache_file.read_bytes()
     cache_file.write_bytes(good[:1000])  # a copy cut short (full disk, killed rsync)
     proc = run_script(DDP, *args)
     warnings = [line for line in proc.stdout.splitlines() if "WARNING" in line]
-    assert warnings == [f"WARNING: the data cache {cache_file} is damaged (RuntimeError when "
-                        "reading it): rebuilding it"]
+    assert warnings == [f"WARNING: the data cache {cache_file} is damaged (it is truncated (or "
+                        "not a torch.save file)): rebuilding it"]
     assert cache_file.read_bytes() == good  # rebuilt, byte for byte
     assert [p.name for p in cache.iterdir()] == [cache_file.name]  # no temporary files left
+
+
+def flip_a_bit(path: Path, offset: int | None = None) -> None:
+    """A bit flipped in the middle of a file (a bad copy, a parallel file system's error):
+    same size, same structure, other numbers."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 if offset is None else offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_cache_damaged_without_changing_its_size_is_rebuilt_with_one_warning(tmp_path,
+                                                                                text_dir):
+    cache = tmp_path / "cache"
+    args = (*TINY[:2], "--data-dir", text_dir, "--cache-dir", cache, "--max-steps", "0",
+            "--logger", "none", "--out-dir", tmp_path / "run", "--overwrite")
+    run_script(DDP, *args)
+    cache_file, = cache.glob("*.pt")
+    good = cache_file.read_bytes()
+    flip_a_bit(cache_file)  # in the token ids: torch.load alone reads it without complaint
+    torch.load(cache_file, weights_only=True)
+    proc = run_script(DDP, *args)
+    warnings = [line for line in proc.stdout.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"WARNING: the data cache {cache_file} is damaged (its record ")
+    assert warnings[0].endswith("does not match its checksum (CRC-32)): rebuilding it")
+    assert cache_file.read_bytes() == good
+
+
+def test_a_damaged_wikitext2_cache_offline_is_named_even_when_only_a_bit_differs(tmp_path,
+                                                                               data_cache):
+    from utils.data import hub_cache_file, load_corpus
+    synthetic = load_corpus("synthetic", cache_dir=data_cache)
+    cache_file = hub_cache_file(tmp_path / "cache")
+    from utils.data import _save_cached
+    _save_cached(synthetic, cache_file)  # stands in for a WikiText-2 download
+    flip_a_bit(cache_file)
+    proc = run(DDP, *TINY[:2], "--out-dir", tmp_path / "run", COURSE_DATA_CACHE=tmp_path / "cache")
+    error_line(proc, f"the data cache {cache_file} is damaged (its record ",
+               "does not match its checksum (CRC-32)", "python prepare_data.py")
+
+
+def test_a_cache_folder_that_cannot_be_written_trains_anyway_after_one_warning(tmp_path,
+                                                                              text_dir):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # --cache-dir inside a file: nothing can be written there
+    proc = run_script(DDP, *TINY, "--max-steps", "1", "--cache-dir", blocker / "cache",
+                      "--out-dir", tmp_path / "run")
+    warnings = [line for line in proc.stdout.splitlines() if "WARNING" in line]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"WARNING: cannot write the data cache {blocker / 'cache'}/synthetic-")
+    assert "give a writable --cache-dir" in warnings[0]
+    assert (tmp_path / "run" / "final_model.pt").is_file()
+    # prepare_data.py exists to fill the cache: there the same is one error line
+    proc = run("prepare_data.py", "--data-dir", text_dir, "--cache-dir", blocker / "cache")
+    error_line(proc, "prepare_data: error: cannot write the data cache", "(Not a directory)",
+               "give a writable --cache-dir")
+
+
+def test_an_empty_course_data_cache_variable_means_the_default_cache(monkeypatch):
+    from utils import data
+    monkeypatch.setenv("COURSE_DATA_CACHE", "")
+    assert data.default_cache_dir() == data.REPO_ROOT / "data_cache"
 
 
 def test_a_damaged_wikitext2_cache_offline_names_its_path_and_the_command_that_rebuilds_it(
@@ -191,20 +258,17 @@ def test_a_damaged_wikitext2_cache_offline_names_its_path_and_the_command_that_r
 
 
 # ---------------------------------------------------------------------------- NaN
-@pytest.mark.parametrize("script", ["ddp", "ddp-exercise", "fsdp", "tp", "pp", "nd"])
-def test_a_diverging_run_stops_at_the_step_and_keeps_the_files_of_the_earlier_run(
-        tmp_path, data_cache, script):
+@pytest.mark.parametrize("script", ["ddp", "ddp-exercise", "fsdp", "tp", "pp", "nd", "perf"])
+def test_a_diverging_run_stops_at_the_step_before_it_saves_anything(tmp_path, data_cache,
+                                                                       script):
     path = "train/to_distributed_training.py" if script == "ddp-exercise" else SCRIPTS[script]
     out = tmp_path / "run"
-    (out / "checkpoints" / "last").mkdir(parents=True)
-    for name in ("best_model.pt", "final_model.pt", "checkpoints/last/train_state.json"):
-        (out / name).write_bytes(b"weights of an earlier, good run")
-    before = snapshot(out)
     # AdamW moves every weight by about lr per step: 1e30 overflows the logits at step 2.
-    proc = run(path, *TINY, "--lr", "1e30", "--max-steps", "5", "--out-dir", out,
-               COURSE_DATA_CACHE=data_cache)
+    # (The performance step reads the loss at log steps only, so --log-every 1 here.)
+    proc = run(path, *TINY, "--lr", "1e30", "--max-steps", "5", "--log-every", "1",
+               "--out-dir", out, COURSE_DATA_CACHE=data_cache)
     error_line(proc, "error: the training loss is nan at step 2", "lower --lr")
-    assert snapshot(out) == before
+    assert not [p for p in out.rglob("*") if p.is_file()]  # nothing saved (the lock is gone)
 
 
 def test_nan_weights_after_the_last_step_are_caught_by_validation_before_the_save(
@@ -259,6 +323,194 @@ def test_a_read_only_output_folder_stops_before_training(tmp_path):
         shutil.rmtree(base)
 
 
+# ---------------------------------------------------------------------------- a full disk
+def assert_nothing_half_written(folder: Path) -> None:
+    """No temporary file, no staging folder; every model file loads, every DCP folder has its
+    completion marker."""
+    assert not list(folder.rglob("*.tmp")) and not list(folder.rglob("*.partial"))
+    for f in folder.rglob("*.pt"):
+        if f.parent.name != "rng":
+            torch.load(f, weights_only=True)
+    for metadata in folder.rglob(".metadata"):
+        assert (metadata.parent / "manifest.json").is_file(), metadata.parent
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_a_full_disk_in_any_script_ends_in_one_line_naming_the_file_and_the_space(
+        tmp_path, data_cache, script):
+    """Every write into the output folder fails with ENOSPC once 4 kB are written (the lock
+    file fits, the first model or checkpoint does not), as on a full disk or quota."""
+    out = tmp_path / "run"
+    proc = run(SCRIPTS[script], *TINY, *(LIT_CPU if script == "lit" else ()), "--max-steps", "2",
+               "--out-dir", out, COURSE_DATA_CACHE=data_cache,
+               PYTHONPATH=os.pathsep.join([str(FAULTS), str(ROOT)]), DISK_FULL_UNDER=tmp_path,
+               DISK_FULL_AFTER_BYTES=4096)
+    # (TP's ranks print a warning of torch's about all-gathers on stderr: not strict there)
+    line = error_line(proc, f"error: no space left on device while saving {out}/",
+                      " MiB are free", "or choose another --out-dir",
+                      strict=script not in ("lit", "tp"))
+    if script not in ("pp", "nd"):  # the first save of a DCP folder has no size to go by
+        assert "it takes about" in line  # how much to free
+    assert_nothing_half_written(out)
+    assert not (out / "run.lock").exists()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """A small real file system (root only; skipped otherwise): mount(size) -> its folder."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("mounting a tmpfs needs root")
+    mounted = []
+
+    def mount(size: str) -> Path:
+        point = tmp_path / f"disk{len(mounted)}"
+        point.mkdir()
+        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {proc.stderr.strip()}")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", str(point)], check=True)
+
+
+@pytest.mark.parametrize("script", ["ddp", "lit"])
+def test_on_a_really_full_file_system_the_run_stops_with_one_line_and_keeps_what_was_whole(
+        tmpfs, data_cache, script):
+    # 1 MiB: best_model.pt of the tiny model (0.7 MiB) fits, final_model.pt then does not;
+    # a Lightning checkpoint (2 MiB) does not fit at all
+    out = tmpfs("1m") / "run"
+    proc = run(SCRIPTS[script], *TINY, *(LIT_CPU if script == "lit" else ()), "--max-steps", "2",
+               "--out-dir", out, COURSE_DATA_CACHE=data_cache)
+    error_line(proc, f"error: no space left on device while saving {out}/", "MiB are free",
+               strict=script != "lit")
+    assert_nothing_half_written(out)
+    if script == "ddp":
+        assert (out / "best_model.pt").is_file() and not (out / "final_model.pt").exists()
+
+
+# ---------------------------------------------------------------------------- one run per folder
+def test_running_again_in_the_same_folder_refuses_to_overwrite_until_asked(tmp_path, data_cache):
+    out = tmp_path / "run"
+    run_script(DDP, *TINY, "--max-steps", "1", "--out-dir", out, env=script_env(data_cache))
+    before = snapshot(out)
+    for again in (("--max-steps", "1"), ("--max-steps", "0")):  # also: only evaluating
+        proc = run(DDP, *TINY, *again, "--out-dir", out, COURSE_DATA_CACHE=data_cache)
+        error_line(proc, f"error: --out-dir {out} holds the results of an earlier run "
+                         "(best_model.pt, final_model.pt, summary.json): delete them with "
+                         "--overwrite, or choose another --out-dir")
+        assert snapshot(out) == before
+    proc = run_script(DDP, *TINY, "--max-steps", "2", "--out-dir", out, "--overwrite",
+                      env=script_env(data_cache))
+    assert (f"--overwrite: deleted the earlier run's best_model.pt, final_model.pt, summary.json "
+            f"in {out}") in proc.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+def test_the_fsdp_step_continues_its_own_run_with_resume_and_says_how_otherwise(
+        tmp_path, data_cache):
+    out = tmp_path / "run"
+    fsdp = SCRIPTS["fsdp"]
+    run_script(fsdp, *TINY, "--max-steps", "1", "--out-dir", out, env=script_env(data_cache))
+    proc = run(fsdp, *TINY, "--max-steps", "2", "--out-dir", out, COURSE_DATA_CACHE=data_cache)
+    error_line(proc, "(checkpoints/, final_model.pt, summary.json): continue it with --resume "
+                     "auto, delete them with --overwrite, or choose another --out-dir")
+    proc = run(fsdp, *TINY, "--max-steps", "2", "--out-dir", out, "--resume", "auto",
+               "--overwrite", COURSE_DATA_CACHE=data_cache)
+    error_line(proc, "--overwrite deletes the checkpoints that --resume continues from")
+    proc = run_script(fsdp, *TINY, "--max-steps", "2", "--out-dir", out, "--resume", "auto",
+                      env=script_env(data_cache))
+    assert "resumed from" in proc.stdout
+    # a restarted run (torchrun, a requeued Slurm job) continues in its folder without a flag
+    run_script(DDP, *TINY, "--max-steps", "1", "--out-dir", tmp_path / "ddp",
+               env=script_env(data_cache))
+    run_script(DDP, *TINY, "--max-steps", "1", "--out-dir", tmp_path / "ddp",
+               env=script_env(data_cache, SLURM_RESTART_COUNT=1))
+
+
+def start_and_wait_for_the_lock(cmd, out: Path, env: dict) -> subprocess.Popen:
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60
+    while not (out / "run.lock").is_file() or not (out / "run.lock").read_text().strip():
+        assert proc.poll() is None and time.monotonic() < deadline, "the first run did not start"
+        time.sleep(0.05)
+    return proc
+
+
+def test_a_second_run_in_a_busy_folder_stops_at_once_naming_the_first(tmp_path, data_cache):
+    out = tmp_path / "run"
+    env = script_env(data_cache, SLURM_JOB_ID="1001")  # e.g. two array tasks, one --out-dir
+    first = start_and_wait_for_the_lock(
+        [sys.executable, DDP, *TINY, "--epochs", "1000", "--out-dir", str(out)], out, env)
+    try:
+        start = time.monotonic()
+        proc = run(DDP, *TINY, "--out-dir", out, env=script_env(data_cache, SLURM_JOB_ID="1002"))
+        line = error_line(proc, f"error: --out-dir {out} is in use by another run (pid "
+                                f"{first.pid} on {socket.gethostname()}, Slurm job 1001, started ",
+                          "wait until it ends, or choose another --out-dir")
+        assert "to_distributed_training.py --preset tiny" in line
+        assert time.monotonic() - start < 60
+    finally:
+        first.kill()
+        first.wait()
+
+
+def test_the_lock_of_a_killed_run_is_recognised_as_stale_and_taken_over(tmp_path, data_cache):
+    out = tmp_path / "run"
+    env = script_env(data_cache)
+    first = start_and_wait_for_the_lock(
+        [sys.executable, DDP, *TINY, "--epochs", "1000", "--out-dir", str(out)], out, env)
+    first.kill()  # SIGKILL: no chance to delete the lock
+    first.wait()
+    assert (out / "run.lock").is_file()
+    proc = run_script(DDP, *TINY, "--max-steps", "1", "--out-dir", out, "--overwrite", env=env)
+    notes = [line for line in proc.stdout.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith(
+        f"note: {out / 'run.lock'} was left by a run that ended without releasing it (pid "
+        f"{first.pid} on ")
+    assert notes[0].endswith("its process is gone, so this run takes the folder over")
+    assert not (out / "run.lock").exists()  # released at the end
+
+
+def test_a_lock_from_another_host_is_stale_when_its_job_ended_or_it_stopped_refreshing(
+        tmp_path, monkeypatch):
+    from utils import run_lock
+    lock = tmp_path / "run.lock"
+    holder = {"host": "elsewhere", "pid": 1, "slurm_job": "77", "token": "t",
+              "started": "earlier", "command": "x.py"}
+    lock.write_text(json.dumps(holder))
+    monkeypatch.setattr(run_lock, "_slurm_job_runs", lambda job: None)  # no squeue here
+    assert run_lock.why_stale(holder, lock) is None  # refreshed just now: may still run
+    os.utime(lock, (time.time() - 300, time.time() - 300))
+    assert run_lock.why_stale(holder, lock) == "it was last refreshed 300 s ago"
+    monkeypatch.setattr(run_lock, "_slurm_job_runs", lambda job: False)
+    assert run_lock.why_stale(holder, lock) == "Slurm job 77 has ended"
+    monkeypatch.setattr(run_lock, "_slurm_job_runs", lambda job: True)
+    assert run_lock.why_stale(holder, lock) is None
+    # a requeued job (the same job id) takes its own lock over at once
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    assert run_lock._same_run(holder, run_lock._this_run())
+
+
+# ---------------------------------------------------------------------------- summary.json
+def test_a_summary_with_nan_values_is_still_valid_json(tmp_path, data_cache):
+    # --max-steps 0 trains nothing: no tokens/s, no MFU (NaN inside the script)
+    run_script(DDP, *TINY, "--max-steps", "0", "--out-dir", tmp_path / "run",
+               env=script_env(data_cache))
+    text = (tmp_path / "run" / "summary.json").read_text()
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    summary = json.loads(text, parse_constant=refuse)
+    assert summary["tokens_per_s"] is None and summary["mfu"] is None
+    assert summary["steps"] == 0 and summary["test_loss"] > 0
+
+
 # ---------------------------------------------------------------------------- process group
 def test_a_rank_without_rank_0_fails_within_the_timeout_naming_the_address(tmp_path):
     port = free_port()
@@ -268,6 +520,128 @@ def test_a_rank_without_rank_0_fails_within_the_timeout_naming_the_address(tmp_p
     error_line(proc, "error: rank 1 of 2 waited 0:00:03 for rank 0 at MASTER_ADDR:MASTER_PORT "
                      f"127.0.0.1:{port}", "DIST_TIMEOUT_MINUTES")
     assert time.monotonic() - start < 45
+
+
+def test_while_a_rank_waits_it_says_for_whom_at_intervals(tmp_path):
+    port = free_port()
+    proc = run(DDP, *TINY, "--out-dir", tmp_path / "run", RANK=1, WORLD_SIZE=2, LOCAL_RANK=1,
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DIST_TIMEOUT_MINUTES=0.05)
+    assert proc.returncode == 1
+    assert f"rank 1 of 2: waiting for rank 0 at 127.0.0.1:{port}, 1 s of 3 s" in proc.stdout
+    proc = run(DDP, *TINY, "--out-dir", tmp_path / "run", RANK=0, WORLD_SIZE=2, LOCAL_RANK=0,
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=port, DIST_TIMEOUT_MINUTES=0.05)
+    assert proc.returncode == 1
+    assert f"rank 0 of 2: waiting for 1 of 2 ranks at 127.0.0.1:{port}, 1 s of 3 s" in proc.stdout
+
+
+@pytest.fixture
+def taken_port():
+    """A port held by another program: it accepts connections and never answers."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("0.0.0.0", 0))
+    server.listen()
+    yield server.getsockname()[1]
+    server.close()
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_master_port_taken_by_another_program_fails_within_seconds(tmp_path, taken_port, rank):
+    start = time.monotonic()
+    # the default timeout (5 minutes): the line must not wait for it
+    proc = run(DDP, *TINY, "--out-dir", tmp_path / "run", RANK=rank, WORLD_SIZE=2,
+               LOCAL_RANK=rank, MASTER_ADDR="127.0.0.1", MASTER_PORT=taken_port)
+    if rank == 0:
+        error_line(proc, f"error: MASTER_PORT {taken_port} is taken on {socket.gethostname()} by "
+                         "another program", "choose another MASTER_PORT")
+    else:
+        error_line(proc, f"error: rank 1 of 2: a program answers at MASTER_ADDR:MASTER_PORT "
+                         f"127.0.0.1:{taken_port} but it is not rank 0 of this run",
+                   "choose another MASTER_PORT")
+    assert time.monotonic() - start < 45  # seconds, not the 5-minute timeout
+
+
+@pytest.mark.parametrize("env, says", [
+    (dict(WORLD_SIZE="2"), "WORLD_SIZE=2 is set but RANK is not: start the script with torchrun"),
+    (dict(RANK="1"), "RANK=1 is set but WORLD_SIZE is not"),
+    (dict(RANK="one", WORLD_SIZE="2"), "RANK=one is not a whole number"),
+    (dict(RANK="2", WORLD_SIZE="2"), "RANK=2 and WORLD_SIZE=2 do not fit: RANK must be 0 to "
+                                     "WORLD_SIZE - 1"),
+    (dict(RANK="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"),
+     "RANK=1 and WORLD_SIZE=2 are set but LOCAL_RANK is not"),
+    (dict(RANK="1", WORLD_SIZE="4", LOCAL_RANK="2", LOCAL_WORLD_SIZE="2",
+          MASTER_ADDR="127.0.0.1", MASTER_PORT="29500"),
+     "LOCAL_RANK=2 does not fit RANK=1 and LOCAL_WORLD_SIZE=2"),
+    (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+          MASTER_PORT="99999"), "MASTER_PORT=99999 is not a port (1 to 65535)"),
+    (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+          MASTER_PORT="auto"), "MASTER_PORT=auto is not a port"),
+    (dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="no-such-node.invalid",
+          MASTER_PORT="29500"), "MASTER_ADDR=no-such-node.invalid does not resolve to an address"),
+    (dict(DIST_TIMEOUT_MINUTES="five"), "DIST_TIMEOUT_MINUTES=five is not a number of minutes"),
+    (dict(DIST_TIMEOUT_MINUTES="-1"), "DIST_TIMEOUT_MINUTES=-1 is not a number of minutes"),
+], ids=["world-without-rank", "rank-without-world", "rank-not-a-number", "rank-too-big",
+        "no-local-rank", "local-rank-too-big", "port-too-big", "port-not-a-number",
+        "address-unknown", "timeout-not-a-number", "timeout-negative"])
+def test_every_launch_variable_is_checked_before_anything_waits_on_it(monkeypatch, env, says):
+    from utils.launch import check_launch_environment
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT", "DIST_TIMEOUT_MINUTES"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(SystemExit) as stop:
+        check_launch_environment()
+    assert str(stop.value.code).startswith("error: ") and says in str(stop.value.code)
+    assert "\n" not in str(stop.value.code)
+
+
+def test_world_size_without_rank_no_longer_trains_as_one_process(tmp_path):
+    proc = run(DDP, *TINY, "--out-dir", tmp_path / "run", WORLD_SIZE=2)
+    error_line(proc, "error: WORLD_SIZE=2 is set but RANK is not")
+    proc = run(DDP, *TINY, "--out-dir", tmp_path / "run", DIST_TIMEOUT_MINUTES="five")
+    error_line(proc, "error: DIST_TIMEOUT_MINUTES=five is not a number of minutes above 0")
+
+
+def test_torchrun_restarts_without_the_store_fix_are_named_as_the_likely_cause(monkeypatch,
+                                                                              capsys):
+    import torch.distributed as dist
+    from utils import distributed_utils, launch
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    launch.warn_about_torchrun_restarts()  # at the first start: a warning, before any hang
+    assert "export it before torchrun" in capsys.readouterr().err
+    # a restarted worker whose process group fails: the line names the variable, not a rank
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+
+    def refused(*args, **kwargs):
+        raise RuntimeError("Gloo connectFullMesh failed with ... Connection refused")
+
+    monkeypatch.setattr(dist, "init_process_group", refused)
+    with pytest.raises(SystemExit) as stop:
+        distributed_utils.init_process_group_or_exit("gloo", timeout=launch.dist_timeout())
+    assert "after torchrun restart 1" in stop.value.code
+    assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun" in stop.value.code
+
+
+def test_lightning_with_a_task_that_never_starts_stops_with_one_line(tmp_path, data_cache):
+    # srun started only task 0 of 2 (the other's node failed): it waits DIST_TIMEOUT_MINUTES
+    one_of_two = dict(SLURM_JOB_ID="77", SLURM_JOB_NAME="Lit_training", SLURM_NTASKS="2",
+                      SLURM_NNODES="1", SLURM_JOB_NUM_NODES="1", SLURM_NTASKS_PER_NODE="2",
+                      SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+                      SLURM_STEP_NUM_TASKS="2", SLURM_NODELIST="localhost",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port())
+    start = time.monotonic()
+    proc = run(SCRIPTS["lit"], *TINY, "--accelerator", "cpu", "--out-dir", tmp_path / "run",
+               COURSE_DATA_CACHE=data_cache, DIST_TIMEOUT_MINUTES=0.05, **one_of_two)
+    error_line(proc, "error: process 0 of 2 could not reach the other processes at "
+                     "MASTER_ADDR:MASTER_PORT 127.0.0.1:", "1/2 clients joined",
+               "start every task with srun", strict=False)
+    assert time.monotonic() - start < 90
 
 
 def test_rank_0_without_the_other_ranks_fails_within_the_timeout(tmp_path):

@@ -19,7 +19,8 @@ solutions/<path> (the solution: the `solution` parts, with "TODO N" comments tur
 
 Your edits are never lost: before it rewrites an exercise file (train/*.py, the root *.sbatch)
 that holds changes neither git nor this tool made, the tool copies it to backups/<time>/ (git
-ignores that folder) and prints one warning line per file.
+ignores that folder; a second run within the same second gets backups/<time>-2/) and prints one
+warning line per file.
 
 TODO numbers are unique across the whole course (one number may mark several blocks of the
 same task in one file), so a slide or a question can name "TODO 14" without ambiguity, and
@@ -92,6 +93,18 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+def backup_stamp(root: Path) -> str:
+    """backups/<time>, or <time>-2, -3... if a run within the same second made that folder
+    already (two runs in one second would otherwise copy into one folder, the second
+    overwriting the first's backup of a file edited in between)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    name, n = stamp, 1
+    while (root / "backups" / name).exists():
+        n += 1
+        name = f"{stamp}-{n}"
+    return name
+
+
 def back_up(root: Path, target: Path, stamp: str) -> Path:
     """Copy a participant's edited exercise file to backups/<stamp>/ before it is rewritten."""
     rel = target.relative_to(root)
@@ -126,7 +139,7 @@ def main(argv=None, root: Path = ROOT) -> int:
     args = parser.parse_args(argv)
     texts = {src: src.read_text() for src in sources(root)}
     problems = check_numbering(texts)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stamp = backup_stamp(root)
     record = root / "backups" / "written.json"  # what this tool wrote last: not your edits
     written = json.loads(record.read_text()) if record.is_file() else {}
     for src, text in texts.items():

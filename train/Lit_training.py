@@ -12,6 +12,9 @@ Run it:
     sbatch Lit_training.sbatch                                     # nodes and GPUs from Slurm
 Outside Slurm, Lightning starts the processes itself. Under srun it starts none: every Slurm task
 is one training process, and the nodes and processes per node come from the job.
+A requeued job continues from its newest complete checkpoint by itself (as --resume auto does);
+--checkpoint-every bounds the steps lost when a job dies without warning:
+    python train/Lit_training.py --preset tiny --max-steps 100 --checkpoint-every 10 --resume auto
 """
 
 import os
@@ -36,9 +39,11 @@ from torch.distributed.fsdp import fully_shard
 from model import get_config
 from model.transformerLM import LitTransformerLM
 from utils.args import base_parser, positive_int
-from utils.checks import check_writable, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import check_splits, load_corpus_or_exit
 from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slurm_gpus_are_unused
+from utils.launch import check_launch_environment
+from utils.lit_checkpoints import AtomicCheckpointIO, RandomStates, resume_path
 from utils.lit_data import WikiText2DataModule
 from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity,
                            training_summary, write_summary)
@@ -49,6 +54,8 @@ from utils.precision import compile_blocks, lightning_precision, set_precision
 print0 = rank_zero_only(partial(print, flush=True))
 # Off the cluster --num-workers is 0 on purpose (the windows are in memory): no warning for that.
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
+# Resuming in the middle of an epoch is exact here: the data module skips the batches trained.
+warnings.filterwarnings("ignore", ".*resuming from a checkpoint that ended before the epoch.*")
 
 
 def parse_args():
@@ -63,6 +70,12 @@ def parse_args():
                           "else 2 CPU processes)")
     lit.add_argument("--num-nodes", type=positive_int, default=None,
                      help="nodes (default: the nodes of the Slurm job step, else 1)")
+    lit.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="STEPS",
+                     help="also save OUT_DIR/checkpoints/step=N.ckpt every STEPS steps (the "
+                          "newest only): what a job that dies without warning continues from")
+    lit.add_argument("--resume", metavar="CKPT|auto",
+                     help="continue from this .ckpt, or auto: from the newest complete one in "
+                          "OUT_DIR. A requeued job always does auto")
     args = parser.parse_args()
     if args.max_steps == 0:  # Trainer(max_steps=0) fits nothing and then has no validation loss
         parser.error("argument --max-steps: 0 (only evaluate) works in the plain scripts, not "
@@ -111,11 +124,16 @@ def trainer_settings(args) -> dict:
     if args.strategy == "fsdp2":
         # Every process is one data-parallel rank: say so, or ModelParallelStrategy's default
         # makes the processes of a node a tensor-parallel group that all read the same batches.
+        # save_distributed_checkpoint=False: one .ckpt file, written atomically like DDP's
+        # (Lightning writes its sharded folders in place: a kill leaves half a folder).
         strategy = ModelParallelStrategy(data_parallel_size=num_nodes * devices,
-                                         tensor_parallel_size=1, timeout=TIMEOUT)
+                                         tensor_parallel_size=1, timeout=TIMEOUT,
+                                         save_distributed_checkpoint=False)
     else:
         # timeout: a missing or stuck process fails the others after DIST_TIMEOUT_MINUTES
         strategy = DDPStrategy(timeout=TIMEOUT)
+    # Checkpoints written atomically: a kill or a full disk never leaves a truncated .ckpt.
+    plugins.append(AtomicCheckpointIO())
     return dict(accelerator=accelerator, devices=devices, num_nodes=num_nodes, strategy=strategy,
                 precision=lightning_precision(args.precision), plugins=plugins)
 
@@ -258,10 +276,24 @@ class CourseLog(Callback):
         self.loss_history = [float(v) for v in state_dict["loss_history"]]
 
 
+def fit_or_exit(trainer, lit_model, data, ckpt_path) -> None:
+    """trainer.fit, but processes that do not find each other (a task that never started, a
+    wrong MASTER_ADDR) end with one line instead of a traceback."""
+    try:
+        trainer.fit(lit_model, datamodule=data, ckpt_path=ckpt_path)
+    except (torch.distributed.DistStoreError, torch.distributed.DistNetworkError) as e:
+        reason = str(e).strip().splitlines()[0][:200]
+        sys.exit(f"error: process {trainer.global_rank} of {trainer.world_size} could not reach "
+                 f"the other processes at MASTER_ADDR:MASTER_PORT {os.environ.get('MASTER_ADDR')}:"
+                 f"{os.environ.get('MASTER_PORT')} within DIST_TIMEOUT_MINUTES ({reason}): start "
+                 "every task with srun (as Lit_training.sbatch does), or raise DIST_TIMEOUT_MINUTES")
+
+
 def main():
     args = parse_args()
     out_dir = Path(args.out_dir)
-    check_writable(out_dir)  # now, not at the first save after hours of training
+    check_launch_environment(rank_variables=False)  # DIST_TIMEOUT_MINUTES not a number: one line
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     start_time = time.time()
     L.seed_everything(args.seed, verbose=False)  # the same weights on every rank (and as plain)
 
@@ -297,34 +329,50 @@ def main():
     else:
         logger = False
     course_log = CourseLog(args, flops_per_tok)
-    requeue = [RequeueAtTimeLimit()] if settings["plugins"] else []  # under srun only
+    under_srun = any(isinstance(p, SLURMEnvironment) for p in settings["plugins"])
+    requeue = [RequeueAtTimeLimit()] if under_srun else []
     # Checkpoints by Lightning: the best validation loss and the last state (with the optimizer).
     checkpoints = ModelCheckpoint(dirpath=out_dir / "checkpoints", monitor="val/loss", mode="min",
                                   save_last=True)
+    # With --checkpoint-every: the newest of them, every that many steps (it replaces the last).
+    periodic = [ModelCheckpoint(dirpath=out_dir / "checkpoints", filename="{step}",
+                                every_n_train_steps=args.checkpoint_every, save_top_k=1)
+                ] if args.checkpoint_every else []
     trainer = L.Trainer(
         **settings, max_epochs=args.epochs,
         max_steps=-1 if args.max_steps is None else args.max_steps,
         default_root_dir=out_dir,  # where a requeued job finds its checkpoint (hpc_ckpt_*.ckpt)
         logger=logger, log_every_n_steps=args.log_every,
-        callbacks=[course_log, checkpoints, *requeue],
+        # RandomStates: every rank's random-number states in each checkpoint (exact resume)
+        callbacks=[course_log, checkpoints, *periodic, RandomStates(), *requeue],
         use_distributed_sampler=False,  # the data module shards (see utils/lit_data.py)
         # the progress bar in a terminal only: in a batch job's log it is a line per refresh
         num_sanity_val_steps=0, enable_progress_bar=sys.stdout.isatty())
 
     # ---- training, evaluation ----
-    trainer.fit(lit_model, datamodule=data)
+    # A requeued job (or --resume) continues from the newest complete, undamaged checkpoint.
+    ckpt_path = resume_path(args.resume, out_dir, say=print0, rank_0=rank_zero_only.rank == 0)
+    fit_or_exit(trainer, lit_model, data, ckpt_path)
+    if "val/loss" not in trainer.callback_metrics:  # resumed at --max-steps: fit trained nothing
+        trainer.validate(lit_model, datamodule=data, ckpt_path=ckpt_path, verbose=False)
     val_loss = trainer.callback_metrics["val/loss"].item()
     loss_history = list(course_log.loss_history)
     # Test the final weights: Lightning's last checkpoint (saved after the final validation).
     # Without a ckpt_path, test() under Slurm would reload the requeue checkpoint, if there is one.
-    trainer.test(lit_model, datamodule=data, ckpt_path=checkpoints.last_model_path, verbose=False)
+    last = checkpoints.last_model_path
+    if not last:  # resumed at --max-steps: fit saved nothing; a finished run still has its last
+        last = str(out_dir / "checkpoints" / "last.ckpt")
+        trainer.save_checkpoint(last)
+    trainer.test(lit_model, datamodule=data, ckpt_path=last, verbose=False)
     test_loss = trainer.callback_metrics["test/loss"].item()
 
     # ---- summary (root process only, once, at the very end) ----
     summary = training_summary(
         args, cfg, corpus, world_size=trainer.world_size, steps=trainer.global_step,
         loss_history=loss_history, val_loss=val_loss, test_loss=test_loss,
-        throughput=course_log.throughput, flops_per_token=flops_per_tok,
+        # (no Throughput if fit trained nothing: resumed at --max-steps)
+        throughput=course_log.throughput or Throughput(trainer.strategy.root_device),
+        flops_per_token=flops_per_tok,
         # the device it trained on: after test() Lightning has moved lit_model back to the CPU
         device=trainer.strategy.root_device,
         start_time=start_time, strategy=args.strategy, num_nodes=trainer.num_nodes,

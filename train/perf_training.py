@@ -33,7 +33,9 @@ from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
-from utils.data import IGNORE_INDEX, DistributedEvalSampler, TokenWindows, load_corpus_or_exit
+from utils.checks import claim_out_dir, stop_if_not_finite
+from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
+                        load_corpus_or_exit)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
@@ -68,6 +70,7 @@ def main():
     start_time = time.time()
 
     local_rank, rank, device, world_size = setup(args.seed, args.device)
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     # TODO 45: Honour --precision (auto: bf16 on a GPU that has it). set_precision also turns
     # the TF32 switch on for tf32: fp32 tensors, but matmuls on the tensor cores with 10-bit
     # mantissas. bf16 needs more: autocast around the forward pass and the loss (below).
@@ -78,6 +81,7 @@ def main():
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
+    check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
     train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
@@ -144,11 +148,15 @@ def main():
             # how long it took to queue the work. (The monitor's line below measures the same
             # way, in utils/monitor.py: your numbers should agree with it.)
             if step % args.log_every == 0:
+                # The loss is read here anyway: checking it every step would wait for the GPU
+                # every step. Validation checks it again before any save.
+                stop_if_not_finite(step_loss, step)
                 # TODO 42: the report
                 print0(f"epoch {epoch} {monitor.report(step, step_loss)}")
 
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device)
+        stop_if_not_finite(val_loss, step, "validation loss")  # before the saves below
         train_loss = torch.stack(loss_history[first_step:]).mean().item() if step > first_step \
             else math.nan
         print0(f"epoch {epoch} train loss {train_loss:.4f} validation loss {val_loss:.4f} "

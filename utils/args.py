@@ -172,7 +172,11 @@ def base_parser(script: str, description: str | None) -> argparse.ArgumentParser
                       help="torch.compile the Transformer blocks (slow first steps)")
     out = p.add_argument_group("output")
     out.add_argument("--out-dir", default=default_out_dir(script),
-                     help="checkpoints, logs and summary.json (default runs/<script>[-<job id>])")
+                     help="checkpoints, logs and summary.json (default runs/<script>[-<job id>]); "
+                          "one run at a time (OUT_DIR/run.lock)")
+    out.add_argument("--overwrite", action="store_true",
+                     help="delete the results of an earlier run in --out-dir first (without it, "
+                          "a run refuses to start where one finished, unless it resumes it)")
     out.add_argument("--logger", choices=["none", "tensorboard", "wandb"], default="tensorboard")
     out.add_argument("--log-every", type=positive_int, default=10, help="steps between loss prints")
     return p

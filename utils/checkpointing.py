@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from utils.distributed_utils import (CheckpointError, _from_root, latest_checkpoint, print0,
+from utils.distributed_utils import (CheckpointError, newest_good_checkpoint, print0,
                                      read_train_state)
 
 
@@ -29,15 +29,16 @@ def resume_checkpoint(resume: str | None, folder: str | os.PathLike) -> Path | N
     """The checkpoint folder to resume from, or None to start at step 0.
 
     `resume` is the --resume argument: a folder, "auto" (the newest complete checkpoint in
-    `folder`, i.e. OUT_DIR/checkpoints, if there is one) or None. A restarted run (torchrun
-    --max-restarts, Slurm requeue) always takes the newest checkpoint of its own folder: starting
-    again from step 0 would throw away its progress and overwrite its checkpoints. It says so in
-    one line.
+    `folder`, i.e. OUT_DIR/checkpoints, if there is one; a damaged one is skipped with one
+    line, see newest_good_checkpoint) or None. A collective: call it on every rank. A restarted
+    run (torchrun --max-restarts, Slurm requeue) always takes the newest checkpoint of its own
+    folder: starting again from step 0 would throw away its progress and overwrite its
+    checkpoints. It says so in one line.
     """
     restarts, launcher = restart_count()
     if resume != "auto" and not restarts:
         return Path(resume) if resume else None
-    newest = _from_root(latest_checkpoint(folder))  # every rank takes rank 0's choice
+    newest = newest_good_checkpoint(folder)
     why = f"{launcher} restart {restarts}" if restarts else "--resume auto"
     if newest is not None:
         print0(f"{why}: continuing from the newest complete checkpoint {newest} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -22,6 +23,8 @@ from utils.distributed_utils import collective_device, get_rank, get_world_size
 def _stop(message: str, printer: bool) -> None:
     if printer:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    if dist.is_initialized():  # every rank stops here: leave the group (or gloo aborts at exit)
+        dist.destroy_process_group()
     sys.exit(1)
 
 
@@ -67,3 +70,90 @@ def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:
     if first_failing < world_size:  # every rank stops; the first one that failed says why
         _stop(f"cannot write to {flag} {folder} ({error}): give a folder you can write to",
               rank == first_failing)
+
+
+# What a run leaves in --out-dir that a later run would overwrite (checkpoints/ only when it
+# holds something), and what --overwrite deletes besides (logs of the earlier run).
+RESULTS = ("summary.json", "best_model.pt", "final_model.pt", "best_model", "final_model",
+           "checkpoints", "hpc_ckpt_*.ckpt")
+LOGS = ("tensorboard", "profile", "wandb", "wandb-cache")
+
+
+def earlier_results(folder: str | os.PathLike) -> list[str]:
+    """The results of an earlier run in `folder` (names, sorted)."""
+    folder = Path(folder)
+    found = {p.name for pattern in RESULTS for p in folder.glob(pattern)
+             if not (p.is_dir() and not any(p.iterdir()))}
+    return sorted(found)
+
+
+def _launch_rank() -> int:
+    """This process's global rank, also before a process group exists (Lightning starts its
+    processes first): RANK from torchrun or Lightning, SLURM_PROCID from srun."""
+    if dist.is_initialized():
+        return dist.get_rank()
+    for variable in ("RANK", "SLURM_PROCID"):
+        if os.environ.get(variable, "").isdigit() and (variable != "SLURM_PROCID"
+                                                       or "SLURM_STEP_NUM_TASKS" in os.environ):
+            return int(os.environ[variable])
+    if os.environ.get("NODE_RANK", "0") != "0":  # Lightning's processes on another node
+        return 1
+    return int(os.environ.get("LOCAL_RANK") or 0)  # Lightning's own processes on one node
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Delete what a killed run left half-written in `folder`: temporary files (.NAME.*.tmp)
+    and the staging folders of checkpoints (.NAME.partial). Nothing ever reads them; they only
+    take space. Call it only while holding the folder's lock (no other run writes there)."""
+    for path in folder.rglob(".*"):
+        if path.is_file() and path.name.endswith(".tmp"):
+            path.unlink(missing_ok=True)
+        elif path.is_dir() and path.name.endswith(".partial"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def claim_out_dir(args) -> None:
+    """Before any training: --out-dir is writable by every rank (check_writable), belongs to
+    this run alone (OUT_DIR/run.lock, see utils/run_lock.py), and holds no results of an
+    earlier run, unless this run continues it (--resume, a torchrun restart, a requeued Slurm
+    job) or --overwrite says to delete them first. Otherwise one line says what to do.
+
+    From here on, a full disk anywhere ends the process with one line (utils/files.py).
+    Call it on every rank, right after setup(): rank 0 decides, all ranks stop together.
+    """
+    from utils.checkpointing import restart_count
+    from utils.files import one_line_for_a_full_disk
+    from utils.run_lock import take
+
+    out_dir = Path(args.out_dir)
+    check_writable(out_dir)
+    one_line_for_a_full_disk(out_dir)
+    rank = _launch_rank()
+    resume, overwrite = getattr(args, "resume", None), getattr(args, "overwrite", False)
+    problem = None
+    if rank == 0:
+        found = earlier_results(out_dir)
+        if resume and overwrite:
+            problem = ("--overwrite deletes the checkpoints that --resume continues from: "
+                       "give one of them")
+        else:  # first the lock: a run still writing there is named, whatever it has written
+            problem = take(out_dir, say=lambda line: print(line, flush=True))
+        if problem is None and found and not (resume or overwrite or restart_count()[0]):
+            names = ", ".join(f"{n}/" if (out_dir / n).is_dir() else n for n in found)
+            again = "continue it with --resume auto, " if hasattr(args, "resume") else ""
+            problem = (f"--out-dir {out_dir} holds the results of an earlier run ({names}): "
+                       f"{again}delete them with --overwrite, or choose another --out-dir")
+        if problem is None:
+            remove_leftovers(out_dir)
+        if problem is None and overwrite and found:
+            for name in [*found, *LOGS]:
+                for path in out_dir.glob(name):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+            print(f"--overwrite: deleted the earlier run's {', '.join(found)} in {out_dir}",
+                  flush=True)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        _stop(problem, rank == 0)

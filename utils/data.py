@@ -12,6 +12,8 @@ split each line on white space and end it with `<eos>`. The vocabulary comes fro
 split only, optionally capped at its most frequent words (`max_vocab`, by default only for
 WikiText-103); other words become `<unk>`. The tokenised corpus is cached in one file per source
 and cap, written atomically, so every later run and every rank loads it in a fraction of a second.
+Each read checks the file against the CRC-32s torch.save wrote into it: a damaged cache (a bad
+copy, a flipped bit) is rebuilt, or named in one line where it cannot be.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from utils.distributed_utils import atomic_torch_save, is_root_process
+from utils.distributed_utils import is_root_process
+from utils.files import DiskFullError, atomic_torch_save, free_mib, torch_file_problem
 
 UNK, EOS = "<unk>", "<eos>"
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
@@ -213,8 +216,9 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def default_cache_dir() -> Path:
-    """$COURSE_DATA_CACHE, else data_cache/ in the repository (clone it on project storage)."""
-    return Path(os.environ.get("COURSE_DATA_CACHE", REPO_ROOT / "data_cache"))
+    """$COURSE_DATA_CACHE, else data_cache/ in the repository (clone it on project storage).
+    An empty COURSE_DATA_CACHE counts as unset (not as the current folder)."""
+    return Path(os.environ.get("COURSE_DATA_CACHE") or REPO_ROOT / "data_cache")
 
 
 def _cache_file(cache_dir: Path, name: str, key: str) -> Path:
@@ -223,13 +227,18 @@ def _cache_file(cache_dir: Path, name: str, key: str) -> Path:
 
 
 class CorruptCacheError(DataUnavailableError):
-    """A cache file exists but cannot be read (truncated by a full disk, a killed copy...)."""
+    """A cache file exists but cannot be read (truncated by a full disk, a killed copy...) or
+    its contents differ from what was written (a flipped bit, a bad copy)."""
 
 
 def _load_cached(path: Path) -> Corpus | None:
-    """The cached corpus; None if there is none. CorruptCacheError if the file is unreadable."""
+    """The cached corpus; None if there is none. CorruptCacheError if the file is unreadable or
+    does not match its checksums (about 0.15 s per GB, docs/benchmarks.md)."""
     if not path.is_file():
         return None
+    problem = torch_file_problem(path)
+    if problem:
+        raise CorruptCacheError(f"the data cache {path} is damaged ({problem})")
     try:
         d = torch.load(path, weights_only=True)
         corpus = Corpus(d["vocab"], d["train"], d["valid"], d["test"], source=d["source"])
@@ -250,19 +259,45 @@ def _load_or_forget(path: Path, warn) -> Corpus | None:
         return None
 
 
+class CacheNotWritableError(DataUnavailableError):
+    """The cache folder cannot take the file (read-only, not a folder, a full disk)."""
+
+
 def _save_cached(corpus: Corpus, path: Path) -> None:
     """Written atomically: readers never see a half-written cache, and several ranks building it
-    at once each replace the file with identical content."""
-    atomic_torch_save({"vocab": corpus.vocab, "train": corpus.train, "valid": corpus.valid,
-                       "test": corpus.test, "source": corpus.source}, path)
+    at once each replace the file with identical content. CacheNotWritableError if the folder
+    cannot take it."""
+    try:
+        atomic_torch_save({"vocab": corpus.vocab, "train": corpus.train, "valid": corpus.valid,
+                           "test": corpus.test, "source": corpus.source}, path)
+    except DiskFullError:
+        raise CacheNotWritableError(f"cannot write the data cache {path} (no space left on "
+                                    f"device: {free_mib(path.parent):.1f} MiB free)") from None
+    except OSError as e:
+        raise CacheNotWritableError(f"cannot write the data cache {path} "
+                                    f"({e.strerror or e})") from None
 
 
-def _cached(cache_dir: Path, name: str, key: str, build, warn=None) -> Corpus:
+def _save_or_say(corpus: Corpus, path: Path, warn, required: bool) -> None:
+    """Cache it; if the folder cannot take it, train anyway (the cache only saves time) after
+    one warning, unless the cache is what was asked for (prepare_data.py)."""
+    try:
+        _save_cached(corpus, path)
+    except CacheNotWritableError as e:
+        if required:
+            raise DataUnavailableError(f"{e}: give a writable --cache-dir (or "
+                                       "COURSE_DATA_CACHE)") from None
+        (warn or print)(f"WARNING: {e}: training without it (the text is tokenised again "
+                        "next time); give a writable --cache-dir to keep it")
+
+
+def _cached(cache_dir: Path, name: str, key: str, build, warn=None,
+            required: bool = False) -> Corpus:
     path = _cache_file(cache_dir, name, key)
     corpus = _load_or_forget(path, warn)
     if corpus is None:
         corpus = build()
-        _save_cached(corpus, path)
+        _save_or_say(corpus, path, warn, required)
     return corpus
 
 
@@ -299,7 +334,7 @@ def prepare_command(dataset: str, max_vocab: int | None = None) -> str:
 
 def load_corpus(dataset: str = "auto", data_dir: str | None = None,
                 cache_dir: str | os.PathLike | None = None, warn=None,
-                max_vocab: int | None = None) -> Corpus:
+                max_vocab: int | None = None, cache_required: bool = False) -> Corpus:
     """The corpus for `dataset` in {"auto", "wikitext-2", "wikitext-103", "synthetic"}.
 
     - `data_dir` given: the text files there (for all but "synthetic").
@@ -309,6 +344,8 @@ def load_corpus(dataset: str = "auto", data_dir: str | None = None,
       corpus and calls `warn` with one line.
     - `max_vocab`: keep only the most frequent training words (None: the dataset's default,
       32768 entries for WikiText-103, no cap otherwise).
+    - a cache folder that cannot take the file: one warning, the corpus is used uncached
+      (`cache_required`: DataUnavailableError instead, for prepare_data.py).
     """
     if dataset not in DATASETS:
         raise DataUnavailableError(f"unknown dataset {dataset!r}: use {', '.join(DATASETS)}")
@@ -316,7 +353,8 @@ def load_corpus(dataset: str = "auto", data_dir: str | None = None,
     max_vocab = resolve_max_vocab(dataset, max_vocab)
     if dataset == "synthetic":
         return _cached(cache_dir, "synthetic", "synthetic:v1" + _vocab_key(max_vocab),
-                       lambda: build_corpus(synthetic_splits(), "synthetic", max_vocab), warn)
+                       lambda: build_corpus(synthetic_splits(), "synthetic", max_vocab), warn,
+                       cache_required)
     if data_dir:
         files = local_split_files(data_dir)
         digest = hashlib.sha256()
@@ -325,7 +363,7 @@ def load_corpus(dataset: str = "auto", data_dir: str | None = None,
         return _cached(cache_dir, Path(data_dir).resolve().name,
                        f"local:{digest.hexdigest()}{_vocab_key(max_vocab)}",
                        lambda: build_corpus(read_local_splits(files), f"local:{data_dir}",
-                                            max_vocab), warn)
+                                            max_vocab), warn, cache_required)
     hub = "wikitext-2" if dataset == "auto" else dataset
     title, prepare = HUB_DATASETS[hub].title, prepare_command(hub, max_vocab)
     try:
@@ -335,11 +373,11 @@ def load_corpus(dataset: str = "auto", data_dir: str | None = None,
             raise DataUnavailableError(
                 f"{e}: rebuild it with `{prepare}` on a login node (with internet)") from None
         (warn or print)(f"WARNING: {e}: downloading {title} again")
-        return download_hub_corpus(cache_dir, hub, max_vocab)
+        return download_hub_corpus(cache_dir, hub, max_vocab, warn, cache_required)
     if corpus is not None:
         return corpus
     if hub_reachable():
-        return download_hub_corpus(cache_dir, hub, max_vocab)
+        return download_hub_corpus(cache_dir, hub, max_vocab, warn, cache_required)
     if dataset == "auto":
         (warn or print)(
             f"WARNING: WikiText-2 is neither cached in {cache_dir} nor downloadable (no hub "
@@ -351,11 +389,12 @@ def load_corpus(dataset: str = "auto", data_dir: str | None = None,
         "or pass --data-dir DIR with train.txt/valid.txt/test.txt")
 
 
-def download_hub_corpus(cache_dir: Path, dataset: str, max_vocab: int | None = None) -> Corpus:
+def download_hub_corpus(cache_dir: Path, dataset: str, max_vocab: int | None = None, warn=None,
+                        cache_required: bool = False) -> Corpus:
     config = HUB_DATASETS[dataset].config
     corpus = build_corpus(read_hub_splits(cache_dir, config), f"hub:{HUB_NAME}:{config}",
                           resolve_max_vocab(dataset, max_vocab))
-    _save_cached(corpus, hub_cache_file(cache_dir, dataset, max_vocab))
+    _save_or_say(corpus, hub_cache_file(cache_dir, dataset, max_vocab), warn, cache_required)
     return corpus
 
 

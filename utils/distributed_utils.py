@@ -6,14 +6,12 @@ Every function works under torchrun (one process per GPU or CPU slot) and in a p
 
 from __future__ import annotations
 
-import datetime
 import gc
 import json
 import os
 import shutil
 import socket
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -25,9 +23,13 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 from torch.distributed.checkpoint.stateful import Stateful
 
+from utils.files import atomic_torch_save
+from utils.launch import (WaitReporter, check_launch_environment, dist_timeout,
+                          rendezvous_store, warn_about_torchrun_restarts)
+
 # A crashed or stuck rank makes the others fail after this long instead of hanging for the
 # default 10 (NCCL) or 30 (gloo) minutes. Raise it with DIST_TIMEOUT_MINUTES for huge checkpoints.
-TIMEOUT = datetime.timedelta(minutes=float(os.environ.get("DIST_TIMEOUT_MINUTES", 5)))
+TIMEOUT = dist_timeout()
 
 
 def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
@@ -82,6 +84,8 @@ def setup(seed: int = 0, device: str = "auto") -> tuple[int, int, torch.device, 
     DDP would broadcast rank 0's weights anyway, but FSDP and tensor parallelism initialise
     each rank's own shard and rely on this.
     """
+    check_launch_environment()  # one line for a variable that is missing or wrong, not a hang
+    warn_about_torchrun_restarts()
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     rank = int(os.environ.get("RANK", 0))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -129,25 +133,6 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") or hasattr(model, "_orig_mod"):
         model = getattr(model, "module", None) or model._orig_mod
     return model
-
-
-def atomic_torch_save(obj, path: str | os.PathLike) -> None:
-    """torch.save to a temporary file, then rename: a crash never leaves a half-written file
-    in place of the previous good one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        # mkstemp makes the file private; a saved model is meant to be shared within the project
-        mask = os.umask(0)
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def save0(model_or_state_dict, path: str | os.PathLike) -> None:
@@ -218,10 +203,16 @@ def destroy_process_group() -> None:
 # Checkpoints of sharded models (FSDP, tensor parallelism): Distributed Checkpoint (DCP)
 
 # (imports of this section only)
-import errno  # noqa: E402
+import contextlib  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+import io  # noqa: E402
+from utils.files import (crc32_file, disk_full_message, fsync_folder, is_disk_full,  # noqa: E402
+                         write_synced)
+from utils.rng import rng_states, set_rng_states  # noqa: E402
 
 TRAIN_STATE_FILE = "train_state.json"
+MANIFEST = "manifest.json"  # the completion marker of a checkpoint folder: its files and CRC-32s
+RNG_FOLDER = "rng"          # every rank's random-number states: rank_0.pt, rank_1.pt, ...
 
 
 class CheckpointError(SystemExit):
@@ -279,127 +270,237 @@ def _from_root(obj):
     return box[0]
 
 
-def _out_of_space(error: BaseException) -> bool:
-    """A full disk or quota, however it surfaced: OSError ENOSPC/EDQUOT from a file write, or
-    torch.save's "inline_container.cc: unexpected pos" (a short write), possibly inside DCP's
-    CheckpointException, which carries every failed rank's exception."""
-    errors = [error]
-    if isinstance(error, CheckpointException):
-        errors += [failure[0] if isinstance(failure, tuple) else failure
-                   for failure in error.failures.values()]
-    for e in errors:
-        if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        if any(s in str(e) for s in ("No space left on device", "Disk quota exceeded",
-                                     "unexpected pos")):
-            return True
-    return False
+def _from_all(obj) -> list:
+    """Every rank's `obj`, in rank order, on every rank (a collective)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    objects = [None] * dist.get_world_size()
+    dist.all_gather_object(objects, obj)
+    return objects
 
 
-def _checkpoint_mib(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
-                    ) -> float:
-    """About how many MiB a checkpoint of model and optimizer takes: the size of the previous
-    one if there is one, else the tensors of all ranks' shards."""
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def _checkpoint_bytes(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                      ) -> float:
+    """About how many bytes a checkpoint of model and optimizer takes: the size of the previous
+    one if there is one, else the tensors of all ranks' shards (a collective)."""
     for folder in (path, _sibling(path, "old")):
         if folder.is_dir():
-            return sum(f.stat().st_size for f in folder.iterdir()) / 2**20
+            return _folder_bytes(folder)
     tensors = list(model.state_dict().values())
     if optimizer is not None:
         tensors += [v for s in optimizer.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor)]
     local = sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size()
                 for t in tensors)
-    return all_reduce_sum(torch.tensor(float(local), dtype=torch.float64)).item() / 2**20
+    return all_reduce_sum(torch.tensor(float(local), dtype=torch.float64)).item()
+
+
+@contextlib.contextmanager
+def atomic_folder(path: str | os.PathLike, expected_bytes=None):
+    """A folder that every rank writes into, appearing under `path` only when every rank has
+    finished:
+        with atomic_folder(out_dir / "final_model") as folder:
+            dcp.save(model.state_dict(), checkpoint_id=folder)
+
+    Call it on every rank, with the same `path` on a file system all ranks share. The ranks
+    write into .NAME.partial. When all are done without error, each computes the CRC-32 of its
+    share of the files, and rank 0 writes the completion marker MANIFEST (manifest.json: every
+    file with its size and CRC-32), renames the previous NAME to .NAME.old, .NAME.partial to
+    NAME, and deletes .NAME.old. So a kill or a full disk at any moment leaves the previous
+    folder complete (killed between the two renames: as .NAME.old, which the loaders find), and
+    a folder without its marker is never taken for a complete one. If any rank fails, all
+    raise CheckpointError with one line (a full disk: the space to free, estimated by
+    `expected_bytes`, a function called on every rank) and .NAME.partial is deleted.
+    """
+    path = Path(path)
+    partial, old = _sibling(path, "partial"), _sibling(path, "old")
+    error = None
+    if is_root_process():
+        try:
+            shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
+            if path.exists():  # NAME is complete: an .NAME.old beside it is a leftover too
+                shutil.rmtree(old, ignore_errors=True)
+            partial.mkdir(parents=True)
+        except OSError as e:
+            error = e
+    _stop_if_any_failed(error, path, partial, expected_bytes)
+    try:
+        yield partial
+    # (DCP's CheckpointException is a BaseException, not an Exception)
+    except (Exception, CheckpointException) as e:  # every rank must learn of it, all stop
+        error = e
+    _stop_if_any_failed(error, path, partial, expected_bytes)  # also: every rank is done writing
+    _stop_if_any_failed(_seal_folder(partial, path, old), path, partial, expected_bytes)
+    barrier()  # nobody reads `path` before it is complete
+
+
+def _stop_if_any_failed(error: BaseException | None, path: Path, partial: Path,
+                        expected_bytes) -> None:
+    """A collective: if any rank has an error, delete `partial` and raise CheckpointError on
+    every rank (one line, from the first failing rank's error)."""
+    failures = _from_all(None if error is None else _describe(error))
+    if not any(failures):
+        return
+    if is_root_process():
+        shutil.rmtree(partial, ignore_errors=True)
+    if any(f and f[3] for f in failures):
+        size = expected_bytes() if expected_bytes else None
+        raise CheckpointError(disk_full_message(path, size)) from error
+    rank, (failed_rank, kind, text, _) = next((r, f) for r, f in enumerate(failures) if f)
+    raise CheckpointError(f"rank {rank if failed_rank is None else failed_rank} could not save "
+                          f"{path}: {kind}: {text}") from error
+
+
+def _describe(error: BaseException) -> tuple[int | None, str, str, bool]:
+    """(failing rank if known, type, first line, full disk?) of an error; DCP's
+    CheckpointException (raised on every rank) names the rank that failed and its error."""
+    inner, rank = error, None
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, inner = next(iter(error.failures.items()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+    text = (str(inner).strip().splitlines() or [""])[0][:300]
+    return rank, type(inner).__name__, text, is_disk_full(error)
+
+
+def _seal_folder(partial: Path, path: Path, old: Path) -> Exception | None:
+    """Every rank checksums its share of the files in `partial`; rank 0 writes the marker
+    MANIFEST and renames `partial` to `path`. Returns this rank's error, if any."""
+    files = _from_root(sorted(f.relative_to(partial).as_posix() for f in partial.rglob("*")
+                              if f.is_file()) if is_root_process() else None)
+    error = None
+    try:
+        mine = {name: {"bytes": (partial / name).stat().st_size,
+                       "crc32": crc32_file(partial / name)}
+                for name in files[get_rank()::get_world_size()]}
+    except OSError as e:
+        mine, error = None, e
+    shares = _from_all(mine)
+    if is_root_process() and all(share is not None for share in shares):
+        try:
+            entries = {name: entry for share in shares for name, entry in share.items()}
+            manifest = {"files": dict(sorted(entries.items())), "world_size": get_world_size()}
+            write_synced(partial / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+            fsync_folder(partial)
+            if path.exists():
+                os.replace(path, old)
+            os.replace(partial, path)
+            fsync_folder(path.parent)
+            shutil.rmtree(old, ignore_errors=True)
+        except OSError as e:
+            error = e
+    return error
 
 
 def save_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None,
                        path: str | os.PathLike, train_state: dict | None = None) -> Path:
     """Write a DCP checkpoint folder: every rank writes its own shards, in parallel.
 
-    Call it on every rank, with the same `path` on a file system all ranks share. The folder
-    appears only when complete: DCP writes into .NAME.partial next to it, rank 0 adds
-    train_state.json (step, epoch, model configuration: anything JSON), then renames the old
-    folder to .NAME.old, .NAME.partial to NAME, and deletes .NAME.old. A save that fails leaves
-    the previous checkpoint untouched and deletes .NAME.partial; a full disk ends the run with
-    one line (CheckpointError). A crash between the two renames leaves the previous checkpoint
-    as .NAME.old: load_sharded_model and latest_checkpoint use it, the next save deletes it.
+    Call it on every rank, with the same `path` on a file system all ranks share. Besides the
+    weights and the optimizer state, the folder holds train_state.json (step, epoch, model
+    configuration: anything JSON) and every rank's random-number states (rng/rank_N.pt: what
+    dropout draws next), so a resumed run continues exactly. The folder appears only when
+    complete (see atomic_folder): a save that fails or is killed leaves the previous
+    checkpoint untouched; a full disk ends the run with one line (CheckpointError).
     """
     path = Path(path)
-    partial, old = _sibling(path, "partial"), _sibling(path, "old")
-    if is_root_process():
-        shutil.rmtree(partial, ignore_errors=True)  # left over from an interrupted save
-        if path.exists():  # NAME is complete: an .NAME.old beside it is a leftover too
-            shutil.rmtree(old, ignore_errors=True)
-        partial.mkdir(parents=True)
-    barrier()
-    failure = None
-    try:
-        dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=partial)
-    except CheckpointException as e:  # DCP reports any rank's failure on every rank
-        failure = e
-    if failure is None:
-        finished = None
+    _stop_if_weights_are_not_finite(model, path, (train_state or {}).get("step"))
+    with atomic_folder(path, lambda: _checkpoint_bytes(path, model, optimizer)) as folder:
+        dcp.save({"app": AppState(model, optimizer)}, checkpoint_id=folder)
+        (folder / RNG_FOLDER).mkdir(exist_ok=True)
+        states = io.BytesIO()
+        torch.save(rng_states(), states)
+        write_synced(folder / RNG_FOLDER / f"rank_{get_rank()}.pt", states.getvalue())
         if is_root_process():
-            try:
-                (partial / TRAIN_STATE_FILE).write_text(json.dumps(train_state or {}, indent=1)
-                                                        + "\n")
-                if path.exists():
-                    os.replace(path, old)
-                os.replace(partial, path)
-                shutil.rmtree(old, ignore_errors=True)
-            except OSError as e:
-                failure = finished = e
-        finished = _from_root(finished)  # the other ranks learn whether rank 0 could finish
-        if finished is not None and failure is None:
-            failure = OSError(f"rank 0 could not finish saving {path}: {finished}")
-            failure.errno = finished.errno
-    if failure is None:
-        barrier()  # nobody reads `path` before it is complete
-        return path
-    if is_root_process():
-        shutil.rmtree(partial, ignore_errors=True)
-    barrier()
-    if _out_of_space(failure):
-        size = _checkpoint_mib(path, model, optimizer)
-        free = shutil.disk_usage(path.parent).free / 2**20
-        raise CheckpointError(
-            f"no space left on device while saving {path}: free {max(size - free, 0.1):.1f} MiB "
-            f"there (a checkpoint takes about {size:.1f} MiB, {free:.1f} MiB are free) or "
-            "choose another --out-dir") from failure
-    raise failure
+            write_synced(folder / TRAIN_STATE_FILE, json.dumps(train_state or {}, indent=1) + "\n")
+    return path
+
+
+def _stop_if_weights_are_not_finite(model: nn.Module, path: Path, step) -> None:
+    """A checkpoint between validations (--checkpoint-every) comes after a step whose loss was
+    finite but whose update may have made the weights NaN: never save those over a good
+    checkpoint (a restart would resume from them). One pass over this rank's shards."""
+    bad = any(not torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()
+              for p in model.parameters())
+    if all_reduce_sum(torch.tensor(float(bad))).item():
+        at = f" at step {step}" if step is not None else ""
+        raise CheckpointError(f"the weights are NaN or infinite{at}: training diverged; not "
+                              f"saving them over {path}, which keeps the last good checkpoint: "
+                              "lower --lr")
 
 
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """Why `path` is not a complete checkpoint written by save_sharded_model; None if it is.
 
-    Cheap checks only, the same on every rank: train_state.json and DCP's .metadata can be
-    read, and every shard file the metadata names exists and is long enough.
+    Cheap checks only, the same on every rank: the completion marker MANIFEST is there and
+    every file it names exists with its size (checkpoint_damage compares the contents).
     """
     path = Path(path)
     if not path.is_dir():
         return "there is no such folder"
-    if not (path / TRAIN_STATE_FILE).is_file():
+    if not (path / MANIFEST).is_file():
+        return f"it has no {MANIFEST}, so the save that wrote it did not finish"
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    if TRAIN_STATE_FILE not in files:
         return f"it has no {TRAIN_STATE_FILE}, so save_sharded_model did not write it"
-    try:
-        json.loads((path / TRAIN_STATE_FILE).read_text())
-    except (OSError, ValueError):
-        return f"its {TRAIN_STATE_FILE} is unreadable"
-    if not (path / ".metadata").is_file():
-        return "its .metadata file is missing"
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception:
-        return "its .metadata file is truncated or damaged"
-    needed: dict[str, int] = {}
-    for info in metadata.storage_data.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0),
-                                         info.offset + info.length)
-    for name, size in sorted(needed.items()):
+    try:  # readable by people, and editable (e.g. best_val): checked by reading it
+        json.loads((path / TRAIN_STATE_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {TRAIN_STATE_FILE} is missing or unreadable"
+    for name, entry in files.items():
+        if name == TRAIN_STATE_FILE:
+            continue
+        what = _what_file(name)
         if not (path / name).is_file():
-            return f"its shard file {name} is missing"
-        if (path / name).stat().st_size < size:
-            return f"its shard file {name} is truncated"
+            return f"{what} is missing"
+        if (path / name).stat().st_size != entry["bytes"]:
+            return (f"{what} is truncated or damaged" if name == ".metadata"
+                    else f"{what} is truncated" if (path / name).stat().st_size < entry["bytes"]
+                    else f"{what} has another size than when it was written")
     return None
+
+
+def _what_file(name: str) -> str:
+    if name == ".metadata":
+        return "its .metadata file"
+    if name.endswith(".distcp"):
+        return f"its shard file {name}"
+    return f"its file {name}"
+
+
+_verified: set = set()  # checkpoints whose contents this process has checked already
+
+
+def checkpoint_damage(path: str | os.PathLike) -> str | None:
+    """Why the files of the complete checkpoint `path` differ from what was written, or None:
+    every rank reads its share of the files and compares their CRC-32 with the manifest (a
+    collective; about a third of a second per GB and rank, docs/benchmarks.md)."""
+    path = Path(path)
+    marker = path / MANIFEST
+    key = (str(path.resolve()), marker.stat().st_mtime_ns if marker.is_file() else None)
+    if key in _verified:
+        return None
+    files = sorted((name, entry) for name, entry in json.loads(marker.read_text())["files"].items()
+                   if name != TRAIN_STATE_FILE)  # editable by hand: checked by reading it
+    problem = None
+    for name, entry in files[get_rank()::get_world_size()]:
+        try:
+            if crc32_file(path / name) != entry["crc32"]:
+                problem = f"{_what_file(name)} does not match its checksum (CRC-32)"
+        except OSError as e:
+            problem = f"{_what_file(name)} cannot be read ({e.strerror})"
+        if problem:
+            break
+    problem = next((p for p in _from_all(problem) if p), None)
+    if problem is None:
+        _verified.add(key)
+    return problem
 
 
 def latest_checkpoint(folder: str | os.PathLike, exclude: str | os.PathLike | None = None
@@ -407,9 +508,15 @@ def latest_checkpoint(folder: str | os.PathLike, exclude: str | os.PathLike | No
     """The complete checkpoint with the highest step in `folder` (OUT_DIR/checkpoints), or None.
 
     Looks at every checkpoint folder there (last, best, and .NAME.old left by a save that
-    crashed between its two renames); skips damaged ones, .NAME.partial and `exclude`.
-    At the same step it prefers `last`.
+    crashed between its two renames); skips incomplete ones (checkpoint_problem),
+    .NAME.partial and `exclude`. At the same step it prefers `last`.
     """
+    found = _checkpoints_newest_first(folder, exclude)
+    return found[0] if found else None
+
+
+def _checkpoints_newest_first(folder: str | os.PathLike,
+                              exclude: str | os.PathLike | None = None) -> list[Path]:
     folder = Path(folder)
     found = []
     for sub in sorted(folder.iterdir()) if folder.is_dir() else []:
@@ -418,7 +525,18 @@ def latest_checkpoint(folder: str | os.PathLike, exclude: str | os.PathLike | No
         if checkpoint_problem(sub) is None:
             step = read_train_state(sub).get("step", 0)
             found.append((step, not sub.name.startswith("."), sub.name == "last", sub))
-    return max(found)[-1] if found else None
+    return [f[-1] for f in sorted(found, reverse=True)]
+
+
+def newest_good_checkpoint(folder: str | os.PathLike) -> Path | None:
+    """latest_checkpoint, with its contents checked (a collective): a damaged one is skipped
+    with one line, and the next newest is tried. What --resume auto and restarts use."""
+    for candidate in _from_root(_checkpoints_newest_first(folder)):
+        damage = checkpoint_damage(candidate)
+        if damage is None:
+            return candidate
+        print0(f"WARNING: checkpoint {candidate} is damaged ({damage}): skipping it")
+    return None
 
 
 def read_train_state(path: str | os.PathLike) -> dict:
@@ -431,18 +549,22 @@ def read_train_state(path: str | os.PathLike) -> dict:
 
 
 def usable_checkpoint(path: str | os.PathLike) -> Path:
-    """`path` if it is a complete checkpoint; its .NAME.old if a save crashed between its two
-    renames (NAME gone, the previous checkpoint complete under the other name). Otherwise one
-    line (CheckpointError) naming the problem and the checkpoint to use instead."""
+    """`path` if it is a complete checkpoint whose files match their checksums; its .NAME.old
+    if a save crashed between its two renames (NAME gone, the previous checkpoint complete
+    under the other name). Otherwise one line (CheckpointError) naming the problem and the
+    checkpoint to use instead. A collective: call it on every rank."""
     path = Path(path)
     problem = checkpoint_problem(path)
     if problem is None:
-        return path
-    old = _sibling(path, "old")
-    if not path.exists() and checkpoint_problem(old) is None:
-        print0(f"checkpoint {path} is missing: a save stopped between its two renames; "
-               f"loading the previous checkpoint {old}")
-        return old
+        problem = checkpoint_damage(path)
+        if problem is None:
+            return path
+    else:
+        old = _sibling(path, "old")
+        if not path.exists() and checkpoint_problem(old) is None and checkpoint_damage(old) is None:
+            print0(f"checkpoint {path} is missing: a save stopped between its two renames; "
+                   f"loading the previous checkpoint {old}")
+            return old
     other = latest_checkpoint(path.parent, exclude=path)
     instead = (f"resume from {other} (step {read_train_state(other).get('step')}) instead"
                if other else "start again without --resume")
@@ -455,9 +577,12 @@ def load_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
 
     Call it on every rank, after wrapping the model and making the optimizer. The world size
     may differ from the one that saved: each rank reads the pieces of the files that overlap
-    its own shards. Returns the checkpoint's train_state. A damaged checkpoint, or with
-    `model_config` a checkpoint of another model, ends the run with one line (CheckpointError)
-    before any tensor is read.
+    its own shards. With an optimizer (resuming training), each rank also gets back its
+    random-number states, so dropout continues as in a run that never stopped (exactly only
+    at the world size that saved: another one splits the batch, and so the dropout masks,
+    differently; one line says so). Returns the checkpoint's train_state. A damaged
+    checkpoint, or with `model_config` a checkpoint of another model, ends the run with one
+    line (CheckpointError) before any tensor is read.
     """
     path = usable_checkpoint(path)
     train_state = read_train_state(path)
@@ -475,7 +600,22 @@ def load_sharded_model(model: nn.Module, optimizer: torch.optim.Optimizer | None
         first = first[0] if isinstance(first, tuple) else first
         raise CheckpointError(f"checkpoint {path} cannot be loaded: "
                               f"{type(first).__name__}: {str(first).splitlines()[0]}") from e
+    if optimizer is not None:
+        _restore_rng_states(path)
     return train_state
+
+
+def _restore_rng_states(path: Path) -> None:
+    saved = sorted((path / RNG_FOLDER).glob("rank_*.pt"), key=lambda f: int(f.stem[5:]))
+    if not saved:
+        return
+    rank, world_size = get_rank(), get_world_size()
+    if len(saved) != world_size:
+        print0(f"note: {path} holds the random-number states of {len(saved)} rank(s), this run "
+               f"has {world_size}: each rank continues from rank 0's, so with dropout the "
+               "losses differ slightly from a run that never stopped")
+        rank = 0
+    set_rng_states(torch.load(saved[rank], weights_only=True))
 
 
 def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
@@ -503,46 +643,39 @@ def gather_per_rank(value: float, device: torch.device) -> list[float]:
 
 def init_process_group_or_exit(backend: str, **kwargs) -> None:
     """dist.init_process_group, but a rendezvous that fails (no rank 0 at MASTER_ADDR:MASTER_PORT,
-    ranks missing, variables unset) ends the process with one line instead of a traceback.
+    ranks missing, the port taken by another program) ends the process with one line instead
+    of a traceback or a silent hang, and every wait says at intervals what it waits for.
 
-    Every wait is bounded by `timeout` (TIMEOUT, from DIST_TIMEOUT_MINUTES): torch uses it for
-    connecting to rank 0's store and for rank 0 waiting for the others (it retries once, so
-    a failure shows after one to three times the timeout).
+    Without torchrun (srun, or by hand) the processes meet in a store of our own
+    (utils/launch.py: rendezvous_store), whose waits we can see into. Every wait is bounded by
+    `timeout` (TIMEOUT, from DIST_TIMEOUT_MINUTES).
     """
     timeout = kwargs.get("timeout", TIMEOUT)
     rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
     addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-    if "store" not in kwargs and not (addr and port):
-        sys.exit(f"error: RANK={rank} and WORLD_SIZE={world_size} are set but MASTER_ADDR or "
-                 "MASTER_PORT is not: start the script with torchrun (it sets them), or unset "
-                 "RANK and WORLD_SIZE to run one process")
-    if "store" not in kwargs and rank != "0" and "TORCHELASTIC_RUN_ID" not in os.environ:
-        # Started by hand or by srun, not torchrun: wait for rank 0's store ourselves, so that
-        # a missing rank 0 gives one line (torch's own failure prints pages of C++ frames).
-        if not _port_opens(addr, int(port), timeout.total_seconds()):
-            sys.exit(f"error: rank {rank} of {world_size} waited {timeout} for rank 0 at "
-                     f"MASTER_ADDR:MASTER_PORT {addr}:{port}, and nothing answered there: start "
-                     "every rank together (torchrun, or srun in the sbatch file), check "
-                     "MASTER_ADDR, or raise DIST_TIMEOUT_MINUTES")
+    if "store" not in kwargs and "TORCHELASTIC_RUN_ID" not in os.environ:
+        kwargs.update(store=rendezvous_store(int(rank), int(world_size), addr, int(port), timeout),
+                      rank=int(rank), world_size=int(world_size))
+    waited = "for the other ranks" if rank == "0" else "for rank 0"
+    advice = "start every rank together (torchrun, or srun in the sbatch file), or raise " \
+             "DIST_TIMEOUT_MINUTES"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        # the likely cause of a failed restart (pytorch/pytorch#135712), not a missing rank
+        waited += f" after torchrun restart {restart}"
+        advice = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun: restarted " \
+                 "workers otherwise meet the dead workers' addresses (pytorch/pytorch#135712)"
+    where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
     try:
-        dist.init_process_group(backend, **kwargs)
+        if int(world_size) > 1:
+            with WaitReporter(f"rank {rank} of {world_size}: waiting {waited} at {addr}:{port} "
+                              "to start the process group", timeout,
+                              f"rank {rank} of {world_size} waited {timeout} {waited} at {where}:"
+                              f" {advice}"):
+                dist.init_process_group(backend, **kwargs)
+        else:
+            dist.init_process_group(backend, **kwargs)
     except (ValueError, RuntimeError) as e:  # DistError is a RuntimeError
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        waited = ("for the other ranks" if rank == "0" else "for rank 0")
-        sys.exit(f"error: rank {rank} of {world_size} waited {timeout} {waited} at "
-                 f"MASTER_ADDR:MASTER_PORT {addr}:{port} ({reason.rstrip('.')}): start every rank "
-                 "together (torchrun, or srun in the sbatch file), or raise DIST_TIMEOUT_MINUTES")
-
-
-def _port_opens(host: str, port: int, seconds: float) -> bool:
-    """Whether host:port accepts a TCP connection within `seconds` (tried every second)."""
-    import time
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            socket.create_connection((host, port), timeout=1).close()
-            return True
-        except OSError:
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        sys.exit(f"error: rank {rank} of {world_size} waited {timeout} {waited} at {where} "
+                 f"({reason.rstrip('.')}): {advice}")

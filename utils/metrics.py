@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import all_reduce_sum, collective_device, is_root_process
+from utils.files import atomic_write_json
 from utils.precision import matmul_dtype, resolve_precision
 
 
@@ -242,6 +243,7 @@ class GradNorm:
     def __init__(self, model: torch.nn.Module):
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         self.weights = None
+        self.replicated = False  # every rank holds every parameter whole: no all-reduce needed
 
     def _weights(self, device) -> torch.Tensor:
         names = [name for name, _ in self.params]
@@ -257,6 +259,11 @@ class GradNorm:
                 shards = math.prod(p.device_mesh.size(i) for i, placement in
                                    enumerate(p.placements) if placement.is_shard())
             weights.append(shards / holders[name])
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.replicated = all(holders[name] == world_size and not hasattr(p, "device_mesh")
+                              for name, p in self.params)
+        if self.replicated:  # DDP: each rank's own norm is the model's, with no collective
+            return torch.ones(len(weights), dtype=torch.float64, device=device)
         return torch.tensor(weights, dtype=torch.float64, device=device)
 
     def __call__(self) -> torch.Tensor:
@@ -271,7 +278,7 @@ class GradNorm:
             norms = torch._foreach_norm([g for _, g in grads])  # one kernel for all
             squares = (torch.stack(norms).to(device, torch.float64) ** 2
                        * self.weights[[i for i, _ in grads]]).sum()
-        return all_reduce_sum(squares).sqrt()
+        return (squares if self.replicated else all_reduce_sum(squares)).sqrt()
 
 
 class MetricLogger:
@@ -391,13 +398,12 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
 
 
 def write_summary(out_dir: str | os.PathLike, summary: dict) -> Path:
-    """OUT_DIR/summary.json from the root process: what tests and benchmarks read back."""
+    """OUT_DIR/summary.json from the root process: what tests and benchmarks read back.
+    Written atomically; NaN and infinities (a run that trained no step has no tokens/s) are
+    written as null, so the file stays valid JSON."""
     path = Path(out_dir) / "summary.json"
     if is_root_process():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=1) + "\n")
-        os.replace(tmp, path)
+        atomic_write_json(path, summary)
     return path
 
 

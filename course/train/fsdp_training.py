@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
-from utils.checks import check_writable, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (Throughput, flops_per_token, model_state_bytes, peak_memory_bytes,
                            perplexity, training_summary, write_summary)
@@ -121,7 +121,7 @@ def main():
     # Under torchrun, join the process group and pick this rank's GPU (or the CPU with gloo).
     # Every rank is seeded alike, so every rank builds the same initial weights.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
-    check_writable(out_dir)  # now, not at the first save after hours of training
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     # auto: bf16 on a GPU that has it, else fp32 (see utils/precision.py)
     args.precision = set_precision(args.precision, device)
 
@@ -140,8 +140,10 @@ def main():
                                        shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
     test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)
+    # generator: every DataLoader iterator draws a seed for its workers; from a generator of its
+    # own, not from the global one that dropout draws from, so a resumed run continues exactly.
     loader_args = dict(batch_size=args.batch_size, num_workers=args.num_workers,
-                       pin_memory=device.type == "cuda")
+                       pin_memory=device.type == "cuda", generator=torch.Generator())
     train_loader = DataLoader(train_ds, sampler=train_sampler, drop_last=True, **loader_args)
     val_loader = DataLoader(val_ds, sampler=val_sampler, **loader_args)
     test_loader = DataLoader(test_ds, sampler=test_sampler, **loader_args)
@@ -179,7 +181,8 @@ def main():
     # every rank (each writes its own shards into that one folder). train_state is a dict of
     # what resuming needs besides the weights, written as JSON: step, epoch, batches_done (of
     # this epoch), global_batch, best_val, loss_history (as floats) and model_config
-    # (cfg.to_dict(), so a checkpoint of another model is refused).
+    # (cfg.to_dict(), so a checkpoint of another model is refused). save_sharded_model also
+    # keeps every rank's random-number states: what dropout draws next.
     #| exercise
     #| solution
     def save_checkpoint(name, epoch, batches_done):
@@ -194,8 +197,9 @@ def main():
     # to load, or None (it turns "auto", and any torchrun or Slurm restart, into the newest
     # complete checkpoint). Then on every rank, after wrapping the model and making the
     # optimizer: train_state = load_sharded_model(model, optimizer, folder, cfg.to_dict())
-    # loads this rank's shards (a checkpoint of another world size is resharded at load time),
-    # and resume_position(train_state, global_batch, len(train_loader), args.max_steps) gives
+    # loads this rank's shards (a checkpoint of another world size is resharded at load time)
+    # and puts back this rank's random-number states (so dropout continues exactly), and
+    # resume_position(train_state, global_batch, len(train_loader), args.max_steps) gives
     # step, start_epoch and start_batch to continue from; best_val and loss_history (as
     # tensors) come back from train_state too.
     #| exercise

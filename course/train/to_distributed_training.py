@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
-from utils.checks import check_writable, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
 from utils.monitor import TrainingMonitor, planned_steps
@@ -59,7 +59,7 @@ def main():
     #| solution
     local_rank, rank, device, world_size = setup(args.seed, args.device)
     #| end
-    check_writable(out_dir)  # now, not at the first save after hours of training
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
     args.precision = set_precision(args.precision, device)
 

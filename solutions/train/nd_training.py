@@ -41,10 +41,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
-from utils.checks import check_writable, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit)
-from utils.distributed_utils import all_reduce_mean, all_reduce_sum, destroy_process_group, print0, setup
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, atomic_folder,
+                                     destroy_process_group, print0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
                            pipeline_bubble_fraction, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
@@ -154,7 +155,7 @@ def main():
     start_time = time.time()
 
     local_rank, rank, device, world_size = setup(args.seed, args.device)
-    check_writable(out_dir)  # now, not at the first save after hours of training
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     args.precision = set_precision(args.precision, device)  # auto: bf16 on GPUs, fp32 on CPUs
     if args.dp is None:
         args.dp = max(1, world_size // (args.pp * args.tp))
@@ -269,8 +270,9 @@ def main():
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     # Every rank writes its shards of its stage; the folder loads into the unsplit model, or into
-    # any other layout (DCP reshards when loading).
-    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
+    # any other layout (DCP reshards when loading). It appears only once every rank is done.
+    with atomic_folder(out_dir / "final_model") as folder:
+        dcp.save(model.state_dict(), checkpoint_id=folder)
     write_summary(out_dir, summary)
     monitor.close(summary)
     del model, optimizer, stage, schedule, eval_schedule

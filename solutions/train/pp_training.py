@@ -36,11 +36,11 @@ from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
-from utils.checks import check_writable, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit)
-from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
-                                     print0, save0, setup)
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, atomic_folder,
+                                     destroy_process_group, print0, save0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
                            pipeline_bubble_fraction, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
@@ -132,7 +132,7 @@ def main():
     # setup() joins the process group and picks this rank's device; it seeds every rank alike,
     # so every stage cuts its layers out of the same initial model.
     local_rank, rank, device, world_size = setup(args.seed, args.device)
-    check_writable(out_dir)  # now, not at the first save after hours of training
+    claim_out_dir(args)  # writable, this run's alone, no earlier results overwritten unasked
     # auto: bf16 autocast on a GPU that has it, else fp32 (see utils/precision.py)
     args.precision = set_precision(args.precision, device)
 
@@ -245,11 +245,15 @@ def main():
         if val_loss < best_val:
             best_val = val_loss
             # DONE 39: No rank holds the whole model: save with Distributed Checkpoint, every
-            # stage writing its own part into one folder,
-            #     dcp.save(model.state_dict(), checkpoint_id=out_dir / "best_model")
+            # stage writing its own part into one folder. atomic_folder (the FSDP step's
+            # checkpoints use it too) lets the folder appear only once every stage has written
+            # its part, so a kill or a full disk never leaves half a model under that name:
+            #     with atomic_folder(out_dir / "best_model") as folder:
+            #         dcp.save(model.state_dict(), checkpoint_id=folder)
             # The keys are the whole model's ("layers.5..." stays "layers.5..."), so the folder
             # loads into the unsplit model.
-            dcp.save(model.state_dict(), checkpoint_id=out_dir / "best_model")
+            with atomic_folder(out_dir / "best_model") as folder:
+                dcp.save(model.state_dict(), checkpoint_id=folder)
         if step == args.max_steps:
             break
 
@@ -279,7 +283,8 @@ def main():
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     # DONE 39: Distributed Checkpoint, into out_dir / "final_model"
-    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")
+    with atomic_folder(out_dir / "final_model") as folder:
+        dcp.save(model.state_dict(), checkpoint_id=folder)
     write_summary(out_dir, summary)
     monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
