@@ -393,7 +393,7 @@ def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_t
         slurm, tmp_path, text_dir, job_env):
     """collectives.sbatch on 2 nodes x 2 CPU processes: the benchmark on one node and on both,
     the comparison, the performance step's trace and the lesson (its solution) on both nodes.
-    The nodes have no NVIDIA driver: the topology and the NCCL transports say they do not apply."""
+    The nodes have no GPU driver: the topology and the NCCL transports say they do not apply."""
     if not (ROOT / "collectives.sbatch").is_file():
         pytest.skip("collectives.sbatch is not in this checkout yet")
     out = tmp_path / "run"
@@ -408,7 +408,7 @@ def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_t
     nodes = slurm.hostnames(job.node_list)
     assert len(nodes) == 2, why
     for node in nodes:  # the GPU-only parts say that they are skipped, on every node
-        assert f"nvidia-smi topo -m on {node}: skipped, no NVIDIA driver" in log, why
+        assert f"GPU topology on {node}: skipped, no GPU driver (nvidia-smi, rocm-smi)" in log, why
     for run in ("one_node", "two_nodes"):
         assert f"NCCL transport ({run}): not applicable, no NCCL log (gloo" in log, why
 
@@ -459,7 +459,7 @@ def test_preflight_passes_on_cpu_nodes_with_every_gpu_line_not_applicable(slurm,
         assert rows[("torch", node)][0] == "PASS", why
         for check in ("CUDA, driver, NCCL", "GPUs visible"):
             status, detail = rows[(check, node)]
-            assert status == "N/A" and "no NVIDIA driver on this node" in detail, why
+            assert status == "N/A" and "no GPU driver on this node" in detail, why
         assert rows[("data cache", node)][0] == "PASS", why
         assert rows[("output folder", node)][0] == "PASS", why
     assert rows[("InfiniBand name", nodes[0])] == (
