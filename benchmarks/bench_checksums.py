@@ -68,7 +68,7 @@ def main():
         sha_mem = fastest(lambda: hashlib.sha256(data).digest(), args.repeat)
     print(f"CPU: {cpu_name()}; torch {torch.__version__}; zlib {zlib.ZLIB_RUNTIME_VERSION}")
     print(f"cache file: {args.tokens:,} training tokens, {gb:.2f} GB (fastest of {args.repeat})")
-    print(f"| what | seconds | GB/s |\n|---|---|---|")
+    print("| what | seconds | GB/s |\n|---|---|---|")
     for name, seconds in [("torch.load (unchecked, as before)", load),
                           ("checking the CRC-32s of the file (torch_file_problem)", check),
                           ("reading the cache as the scripts do (check + load)", both),

@@ -56,12 +56,17 @@ class Ownership:
                 comment_todo.append(current)
             else:
                 n, lines = payload
+                if n is None:  # a block above every TODO (what the exercise starts from): nobody's
+                    shipped += lines
+                    owner += [None] * len(lines)
+                    comment_todo += [current] * len(lines)
+                    continue
                 if not lines:
                     gaps.setdefault(len(shipped), []).append(n)
                 shipped += lines
                 owner += [n] * len(lines)
                 comment_todo += [n] * len(lines)
-        self.todos = sorted({p[0] for kind, p in items if kind == "block"})
+        self.todos = sorted({p[0] for kind, p in items if kind == "block" and p[0] is not None})
         mine = text.splitlines(keepends=True)
         self.line_owner: dict[int, int | None] = {}  # 1-based line of `text` -> TODO
         self.touched: set[int] = set()

@@ -269,9 +269,11 @@ MISTAKES = [
     ("tp", TP, "the summary without the TP sizes", 31,
      [("        data_parallel_size=dp_size, tensor_parallel_size=args.tp,\n"
        "        params_per_rank=local_params)", "        params_per_rank=local_params)")]),
-    ("tp", TP, "save0 of the TP model", 32,
+    ("tp", TP, "save0 of the TP model", 32,  # save0 as the exercise had it, and imports
      [('    save_full_model(model, out_dir / "final_model.pt")',
-       '    save0(model, out_dir / "final_model.pt")')]),
+       '    save0(model, out_dir / "final_model.pt")'),
+      ("from utils.distributed_utils import save_full_model",
+       "from utils.distributed_utils import save0, save_full_model")]),
     ("tp", TP, "save_full_model on rank 0 only", 32,
      [('            save_full_model(model, out_dir / "best_model.pt")',
        '            if rank == 0:\n                save_full_model(model, out_dir / "best_model.pt")')]),
@@ -321,21 +323,31 @@ MISTAKES = [
     ("pp", PP, "the loss broadcast from the first stage", 38,
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            dist.broadcast(step_loss, src=0)")]),
-    ("pp", PP, "the loss averaged over the stages", 38,
+    ("pp", PP, "the loss averaged over the stages", 38,  # all_reduce_mean: the exercise imports it
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
-       "            step_loss = all_reduce_mean(step_loss)")]),
+       "            step_loss = all_reduce_mean(step_loss)"),
+     ("from utils.distributed_utils import (all_reduce_sum,",
+       "from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, save0,"),
+     ]),
     ("pp", PP, "the loss taken on every stage", 38,
      [("            step_loss = (torch.stack(losses).mean() if stage.is_last\n"
        "                         else torch.zeros((), device=device))",
        "            step_loss = torch.stack(losses).mean()")]),
     ("pp", PP, "tokens counted per stage", 38,
      [("            throughput.step(x.numel())", "            throughput.step(x.numel() * world_size)")]),
-    ("pp", PP, "save0 of one stage", 39,
-     [('    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")',
-       '    save0(model, out_dir / "final_model.pt")')]),
+    ("pp", PP, "save0 of one stage", 39,  # save0 as the exercise had it, and imports
+     [('    with atomic_folder(out_dir / "final_model") as folder:\n'
+       '        dcp.save(model.state_dict(), checkpoint_id=folder)',
+       '    save0(model, out_dir / "final_model.pt")'),
+     ("from utils.distributed_utils import (all_reduce_sum,",
+       "from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, save0,"),
+     ]),
     ("pp", PP, "DCP save on rank 0 only", 39,
-     [('    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")',
-       '    if rank == 0:\n        dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")')]),
+     [('    with atomic_folder(out_dir / "final_model") as folder:\n'
+       '        dcp.save(model.state_dict(), checkpoint_id=folder)',
+       '    if rank == 0:\n'
+       '        with atomic_folder(out_dir / "final_model") as folder:\n'
+       '            dcp.save(model.state_dict(), checkpoint_id=folder)')]),
     ("pp", PP, "no broadcast after evaluation", 40,
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,

@@ -127,3 +127,10 @@ def test_a_tp_degree_that_cannot_split_the_model_stops_with_one_clear_line(tmp_p
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "--tp 3" in last and "n_heads 4" in last
     assert "Traceback" not in proc.stderr
+
+
+def test_under_torchrun_that_line_comes_once_not_once_per_rank(tmp_path, data_cache):
+    proc = run_script(SOLUTION.relative_to(ROOT), *RUN_ARGS, "--tp", 3, "--out-dir", tmp_path,
+                      nproc=2, env=script_env(cache_dir=data_cache), timeout=120, check=False)
+    assert proc.returncode != 0
+    assert (proc.stdout + proc.stderr).count("must be a multiple of --tp 3") == 1, proc.stderr

@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-from torch.nn.parallel import DistributedDataParallel as DDP  # until TODO 36
+# TODO 36: The pipeline replaces DDP (its stages are not replicas): this import goes.
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
@@ -39,6 +40,8 @@ from utils.args import base_parser, positive_int, positive_int_list
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit)
+# TODO 39: save0 goes (Distributed Checkpoint saves), and with TODO 38 all_reduce_mean (the last
+# stage broadcasts the loss).
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, atomic_folder,
                                      destroy_process_group, print0, save0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
@@ -59,13 +62,12 @@ def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[
     return [range(starts[i], starts[i + 1]) for i in range(num_stages)]
 
 
-# TODO 34: Cut the model into stages: write
-#     split_pipeline_stage(model, stage_index, num_stages, layers_per_stage=None) -> model
-# It keeps the blocks of stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]
-# and deletes the others from the ModuleDict model.layers (`del model.layers[name]`: the remaining
-# keys keep their names, so checkpoints match the whole model). Only the first stage keeps the
-# embeddings (model.tok_emb, model.pos_emb), only the last the final norm and the output layer
-# (model.norm, model.output): set the others to None, the model's forward skips them.
+# TODO 34: Cut the model into stages: write split_pipeline_stage(model, stage_index, num_stages,
+# layers_per_stage=None), returning the model cut down to this stage. stage_layers (below)
+# says which blocks each stage keeps; delete the others from the ModuleDict model.layers, so the
+# remaining keys keep their names and checkpoints match the whole model. Only the first stage
+# keeps the embeddings (token and position), only the last the final norm and the output layer:
+# set them to None elsewhere, the model's forward skips what is None.
 
 
 def build_schedule(name: str, stage, microbatches: int, loss_fn):
@@ -137,8 +139,8 @@ def main():
     # Give every data-parallel replica its own shard of the data: a DistributedSampler for
     # training, DistributedEvalSampler for validation and test (it counts no sample twice).
     # TODO 35: The stages of a pipeline are one replica: they all read the same batches (the
-    # first uses the tokens, the last the targets). One replica, replica 0: num_replicas=1, rank=0
-    # in all three samplers.
+    # first uses the tokens, the last the targets). So all three samplers see one replica, and
+    # this process is that replica (not its own rank's share of the data).
     train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
                                        shuffle=True, seed=args.seed, drop_last=True)
     val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)
@@ -159,13 +161,12 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # TODO 36: Instead of DDP: keep only this rank's stage,
-    #     model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)
-    # wrap it in a PipelineStage(model, stage_index, num_stages, device) (it sends and receives
-    # the activations), and build two schedules with build_schedule(name, stage, microbatches,
-    # loss_fn): `schedule` for training (args.schedule, lm_loss: the mean) and `eval_schedule` for
-    # evaluation ("gpipe", lm_loss_sum: the sum). timer = StageBusyTimer(stage, device) measures
-    # how long the stage computes (the bubble report at the end reads it).
+    # TODO 36: Instead of DDP: keep only this rank's stage (your split_pipeline_stage, with
+    # --layers-per-stage), wrap it in a PipelineStage (it sends and receives the activations),
+    # and build two schedules with build_schedule: `schedule` for training (--schedule, with
+    # lm_loss: the mean) and `eval_schedule` for evaluation (GPipe, with lm_loss_sum: the sum).
+    # A StageBusyTimer on the stage, `timer`, measures how long it computes (the bubble report
+    # at the end reads it).
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     # What every rank holds now (with a pipeline: only its stage).
     params = sum(p.numel() for p in model.parameters())
@@ -191,12 +192,11 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # TODO 37: The schedule runs forward, loss and backward for all microbatches:
-            #     schedule.step(*((x,) if stage.is_first else ()),
-            #                   target=y if stage.is_last else None, losses=losses)
-            # the first stage passes the tokens, the last the targets and a list (losses = [])
-            # that receives the microbatch losses, a stage in the middle neither. Call
-            # timer.start_step() before it and append timer.idle_fraction() to idle_history after.
+            # TODO 37: The schedule runs forward, loss and backward for all microbatches in one
+            # call, schedule.step: the first stage passes the tokens (as its positional
+            # argument), the last the targets (target=) and an empty list (losses=) that receives
+            # the microbatch losses, a stage in the middle neither. Start the timer's step
+            # before it and append its idle fraction to idle_history after.
             with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
                 logits = model(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -204,11 +204,10 @@ def main():
             loss.backward()
             optimizer.step()
             step += 1
-            # TODO 38: Only the last stage knows the loss: the mean of its microbatch losses
-            # (torch.stack(losses).mean(); a zero tensor elsewhere). Broadcast it from there,
-            # dist.broadcast(step_loss, src=num_stages - 1), so every rank logs (and rank 0
-            # reports) the same value. One pipeline processes one batch per step: count its
-            # tokens once, throughput.step(x.numel()).
+            # TODO 38: Only the last stage knows the loss: the mean of its microbatch losses (a
+            # zero tensor of the same shape elsewhere). Broadcast it from the last stage, so
+            # every rank logs (and rank 0 reports) the same value. One pipeline processes one
+            # batch per step: count its tokens once, not once per stage.
             throughput.step(x.numel() * world_size)
             # Each rank's loss covers only its own batch: log the mean over all ranks.
             step_loss = all_reduce_mean(loss.detach())
@@ -228,11 +227,10 @@ def main():
             # TODO 39: No rank holds the whole model: save with Distributed Checkpoint, every
             # stage writing its own part into one folder. atomic_folder (the FSDP step's
             # checkpoints use it too) lets the folder appear only once every stage has written
-            # its part, so a kill or a full disk never leaves half a model under that name:
-            #     with atomic_folder(out_dir / "best_model") as folder:
-            #         dcp.save(model.state_dict(), checkpoint_id=folder)
-            # The keys are the whole model's ("layers.5..." stays "layers.5..."), so the folder
-            # loads into the unsplit model.
+            # its part, so a kill or a full disk never leaves half a model under that name: it
+            # gives the folder to write into (dcp.save's checkpoint_id), out_dir / "best_model"
+            # once sealed. The keys are the whole model's ("layers.5..." stays "layers.5..."),
+            # so the folder loads into the unsplit model.
             save0(model, out_dir / "best_model.pt")
         if step == args.max_steps:
             break
@@ -277,8 +275,7 @@ def main():
 # schedule.step; the last stage sums the losses of the microbatches. A pipeline's buffers have a
 # fixed shape: fill a short last batch up to loader.batch_size with padding samples (tokens 0,
 # targets IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast
-# them with dist.broadcast(loss_sum, src=dist.get_world_size() - 1) (the token count is the same
-# on every stage).
+# the loss sum from the last rank (the token count is the same on every stage).
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""

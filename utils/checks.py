@@ -28,6 +28,12 @@ def _stop(message: str, printer: bool) -> None:
     sys.exit(1)
 
 
+def stop_on_every_rank(message: str) -> None:
+    """Stop a run whose every rank found the same problem (a flag that does not fit the model or
+    the world size): one `error: ...` line from rank 0, not one per rank."""
+    _stop(message, get_rank() == 0)
+
+
 def stop_if_not_finite(loss, step: int, what: str = "training loss") -> None:
     """Stop the run when `loss` is NaN or infinite, before anything is saved over a good file.
 

@@ -41,9 +41,10 @@ from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_pr
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import set_precision
-# TODO 41: Import what measuring, profiling and the fixes need: synchronize (time the GPU
-# honestly), peak_flops (what MFU divides by), torch.profiler, contextlib (for ranges made of
-# several context managers), and autocast and compile_blocks from utils/precision.py.
+# TODO 41: Import what measuring, profiling and the fixes need: from utils/metrics.py,
+# synchronize (time the GPU honestly) and peak_flops (what MFU divides by); torch.profiler;
+# contextlib (for ranges made of several context managers); and from utils/precision.py,
+# autocast and compile_blocks. (Adding names to the import lines already there is as good.)
 #| exercise
 #| solution
 import contextlib
@@ -293,7 +294,9 @@ def main():
         if step == args.max_steps:
             break
     # TODO 43: Stop the profiler (a run that ends early still writes what it has recorded) and
-    # print the operators that took the most time: the first place to look.
+    # print the operators that took the most time: the first place to look. Sort the table by
+    # the time each operator itself took on the device that ran it: on a GPU its kernels' time
+    # (the CPU side only launches them), on a CPU its CPU time.
     #| exercise
     #| solution
     if profiler is not None:

@@ -48,10 +48,10 @@ def main():
     out_dir = Path(args.out_dir)
     start_time = time.time()
 
-    # TODO 2: Replace the hand-made device with
-    #     local_rank, rank, device, world_size = setup(args.seed, args.device)
-    # Under torchrun it joins the process group and picks this rank's GPU (or the CPU with
-    # gloo); it seeds every rank alike.
+    # TODO 2: Replace the hand-made device with utils.distributed_utils.setup (it takes the
+    # seed and the --device choice). Under torchrun it joins the process group, picks this
+    # rank's GPU (or the CPU with gloo) and seeds every rank alike; it returns this process's
+    # local rank, global rank, device and the world size, which the later TODOs need.
     #| exercise
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     world_size = 1
@@ -64,7 +64,9 @@ def main():
     args.precision = set_precision(args.precision, device)
 
     # ---- data ----
-    # TODO 9: Print on rank 0 only: replace print by print0 here and in the TODO 9 lines below.
+    # TODO 9: Print on rank 0 only, with print0 in place of print: in the lines marked TODO 9
+    # below, and here too, where print is passed as the data loading's warn= function (every
+    # rank would print the same warning about the data).
     #| exercise
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print,
                                  max_vocab=args.max_vocab)
@@ -77,12 +79,12 @@ def main():
     check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
-    # TODO 3: Give every rank its own shard of the data. Training: train_sampler =
-    # DistributedSampler(train_ds, num_replicas=world_size, rank=rank, shuffle=True,
-    # seed=args.seed, drop_last=True): the same shuffle on every rank, and the remainder dropped
-    # so all ranks take the same number of steps. Validation and test: val_sampler and
-    # test_sampler = DistributedEvalSampler(dataset, num_replicas, rank) from utils.data (it
-    # counts no sample twice).
+    # TODO 3: Give every rank its own shard of the data, with a sampler per split (train_sampler,
+    # val_sampler, test_sampler). Training: a DistributedSampler told the number of replicas and
+    # this rank, shuffling with the run's seed (so every rank shuffles alike and the shards do
+    # not overlap) and dropping the remainder (so every rank takes the same number of steps).
+    # Validation and test: utils.data's DistributedEvalSampler, which counts no sample twice
+    # (DistributedSampler would pad the last shard with repeated samples).
     #| exercise
     #| solution
     train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,
@@ -120,9 +122,10 @@ def main():
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
     #| end
-    # TODO 5: Wrap the model in DistributedDataParallel. It keeps the replicas identical by
-    # averaging the gradients of all ranks during backward():
-    #     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # TODO 5: Wrap the model in DistributedDataParallel (DDP). It keeps the replicas identical
+    # by averaging the gradients of all ranks during backward(). On a GPU it needs to know
+    # which one holds this replica (device_ids, a list with this rank's local GPU); on a CPU,
+    # no device ids.
     #| exercise
     #| solution
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
@@ -138,7 +141,7 @@ def main():
     # ---- training ----
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     for epoch in range(args.epochs):
-        # TODO 6: Tell the sampler the epoch, train_sampler.set_epoch(epoch), or every epoch
+        # TODO 6: Tell the training sampler which epoch starts (its set_epoch), or every epoch
         # repeats the first epoch's order.
         #| exercise
         #| solution
@@ -157,8 +160,8 @@ def main():
             optimizer.step()
             step += 1
             throughput.step(x.numel() * world_size)
-            # TODO 7: Each rank's loss covers only its own batch: log the mean over all ranks,
-            # all_reduce_mean(loss.detach()).
+            # TODO 7: Each rank's loss covers only its own batch: log the mean over all ranks
+            # (all_reduce_mean from utils.distributed_utils, on the detached loss).
             #| exercise
             step_loss = loss.detach()  # detach: keeping the graph alive would hold its memory
             #| solution
@@ -190,8 +193,9 @@ def main():
         monitor.log_epoch(step, val_loss, train_loss)
         if val_loss < best_val:
             best_val = val_loss
-            # TODO 10: Save on rank 0 only, and save the plain model's weights (save0 unwraps
-            # DDP), so the file loads into a model without DDP: save0(model, path).
+            # TODO 10: Save on rank 0 only, and save the plain model's weights, so the file
+            # loads into a model without DDP: save0 from utils.distributed_utils does both (it
+            # unwraps DDP).
             #| exercise
             out_dir.mkdir(parents=True, exist_ok=True)
             torch.save(model.state_dict(), out_dir / "best_model.pt")
@@ -225,9 +229,9 @@ def main():
     #| end
     write_summary(out_dir, summary)
     monitor.close(summary)
-    # TODO 11: Leave the process group when done: destroy_process_group(). Delete the DDP model
-    # first (del model, optimizer), so its communication buffers are freed while the group
-    # still exists.
+    # TODO 11: Leave the process group when done (destroy_process_group). Delete the DDP model
+    # and the optimizer first, so its communication buffers are freed while the group still
+    # exists.
     #| exercise
     #| solution
     del model, optimizer
@@ -249,9 +253,9 @@ def evaluate(model, loader, device):
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                     ignore_index=IGNORE_INDEX)
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
-    # TODO 8: Each rank saw only its share of the split: add up the loss sums and token counts of
-    # all ranks before dividing (all_reduce_sum(loss_sum), all_reduce_sum(tokens)), so the result
-    # equals the single-GPU loss exactly.
+    # TODO 8: Each rank saw only its share of the split: add up the loss sums and the token
+    # counts of all ranks (all_reduce_sum) before dividing, so the result equals the single-GPU
+    # loss exactly. (The mean of the ranks' means would not: their shards differ in size.)
     #| exercise
     #| solution
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)

@@ -92,8 +92,9 @@ def check(ctx) -> None:
             c["name"] == "dcp.save" for c in record.get("calls", []))})
         why = (f" (only rank(s) {saved_by} called dcp.save: every stage saves its own part)"
                if saved_by and len(saved_by) < run.geometry.world else "")
-        rep.fail(39, "no final_model folder with DCP's .metadata: dcp.save(model.state_dict(), "
-                 f"checkpoint_id=out_dir / 'final_model') on every rank{why}")
+        rep.fail(39, "no final_model folder with DCP's .metadata: on every rank, inside `with "
+                 "atomic_folder(out_dir / 'final_model') as folder:`, "
+                 f"dcp.save(model.state_dict(), checkpoint_id=folder){why}")
 
 
 def check_split(ctx, run, n_layers) -> bool:
@@ -242,8 +243,9 @@ HINTS = {
          "src=num_stages - 1); throughput.step(x.numel())."),
     39: ("No rank holds the whole model: every stage writes its part of one checkpoint folder, "
          "whose keys are the whole model's.",
-         "dcp.save(model.state_dict(), checkpoint_id=out_dir / 'best_model') (and "
-         "'final_model') on every rank."),
+         "On every rank: with atomic_folder(out_dir / 'best_model') as folder: "
+         "dcp.save(model.state_dict(), checkpoint_id=folder) (and 'final_model'); the folder "
+         "appears only once every stage has written its part."),
     40: ("Evaluation runs through the pipeline too (forward only), with a fixed batch shape; "
          "the sums exist on the last stage.",
          "evaluate(model, loader, device, stage, schedule): pad a short batch (tokens 0, targets "

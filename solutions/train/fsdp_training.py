@@ -52,16 +52,19 @@ from utils.checkpointing import resume_checkpoint, resume_position
 from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model
 
 
-# DONE 18: Shard the model with FSDP2: write
-#     apply_fsdp(model, precision="fp32", reshard_after_forward=True) -> model
-# and its option --reshard-after-forward {true,false} (--precision is every script's flag).
-# fully_shard(module, reshard_after_forward=..., mp_policy=MixedPrecisionPolicy(...)) each
-# Transformer block of model.layers.values() first, then the root
-# (the embeddings, final norm and output layer). Each call makes one FSDP unit: its parameters
-# become DTensors split over the ranks, gathered just before the unit's forward and backward and
-# freed afterwards, and its gradients are reduce-scattered so each rank keeps only its shard.
-# Sharding every block (not only the root) is what lets a rank hold one block's full weights at
-# a time, and lets the gather of the next block overlap the compute of this one.
+# DONE 18: Shard the model with FSDP2: write apply_fsdp(model, precision="fp32",
+# reshard_after_forward=True), returning the model, and its option --reshard-after-forward
+# {true,false} (--precision is every script's flag). Call fully_shard on each Transformer block
+# (model.layers) first, then on the whole model (the root: what is left, the embeddings, final
+# norm and output layer). Each call makes one FSDP unit: its parameters become DTensors split
+# over the ranks, gathered just before the unit's forward and backward and freed afterwards,
+# and its gradients are reduce-scattered so each rank keeps only its shard. Sharding every block
+# (not only the root) is what lets a rank hold one block's full weights at a time, and lets the
+# gather of the next block overlap the compute of this one.
+# The flag reshard_after_forward is for the blocks; leave the root at its default (it keeps its
+# weights after forward: backward needs them at once). With bf16, give every unit a
+# MixedPrecisionPolicy that computes in bf16 and reduces gradients in fp32, and let the root
+# return fp32 logits (output_dtype), so the loss over the vocabulary is exact.
 def apply_fsdp(model, precision="fp32", reshard_after_forward=True):
     policy = {}
     if precision == "bf16":
@@ -141,9 +144,10 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # DONE 19: Replace DDP by model = apply_fsdp(model, args.precision,
-    # args.reshard_after_forward == "true"). The optimizer is made afterwards on purpose: it must
-    # hold the sharded parameters, so each rank keeps optimizer state for its shard only.
+    # DONE 19: Replace DDP by your apply_fsdp, with the run's precision and its
+    # --reshard-after-forward choice (a string: "true" or "false"). The optimizer is made
+    # afterwards on purpose: it must hold the sharded parameters, so each rank keeps optimizer
+    # state for its shard only.
     model = apply_fsdp(model, args.precision, args.reshard_after_forward == "true")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")  # one kernel for all parameters
@@ -156,12 +160,13 @@ def main():
     loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan
     start_epoch, start_batch = 0, 0
     # DONE 20: Save sharded checkpoints: define save_checkpoint(name, epoch, batches_done) that
-    # calls save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, train_state) on
-    # every rank (each writes its own shards into that one folder). train_state is a dict of
-    # what resuming needs besides the weights, written as JSON: step, epoch, batches_done (of
-    # this epoch), global_batch, best_val, loss_history (as floats) and model_config
-    # (cfg.to_dict(), so a checkpoint of another model is refused). save_sharded_model also
-    # keeps every rank's random-number states: what dropout draws next.
+    # saves into out_dir / "checkpoints" / name with save_sharded_model, called on every rank
+    # (each writes its own shards into that one folder). Its train_state is a dict of what
+    # resuming needs besides the weights and the optimizer, written as JSON: the step, the epoch,
+    # the batches done in this epoch, the global batch, the best validation loss, the loss
+    # history (as floats) and the model's configuration (cfg.to_dict(), so a checkpoint of
+    # another model is refused). save_sharded_model also keeps every rank's random-number
+    # states: what dropout draws next.
     def save_checkpoint(name, epoch, batches_done):
         train_state = dict(step=step, epoch=epoch, batches_done=batches_done,
                            global_batch=global_batch, best_val=best_val,
@@ -169,15 +174,16 @@ def main():
                            model_config=cfg.to_dict())
         save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, train_state)
 
-    # DONE 21: Resume. resume_checkpoint(args.resume, out_dir / "checkpoints") gives the folder
-    # to load, or None (it turns "auto", and any torchrun or Slurm restart, into the newest
-    # complete checkpoint). Then on every rank, after wrapping the model and making the
-    # optimizer: train_state = load_sharded_model(model, optimizer, folder, cfg.to_dict())
-    # loads this rank's shards (a checkpoint of another world size is resharded at load time)
-    # and puts back this rank's random-number states (so dropout continues exactly), and
-    # resume_position(train_state, global_batch, len(train_loader), args.max_steps) gives
-    # step, start_epoch and start_batch to continue from; best_val and loss_history (as
-    # tensors) come back from train_state too.
+    # DONE 21: Resume. resume_checkpoint (utils.checkpointing) turns --resume and the
+    # checkpoints folder into the folder to load, or None (it turns "auto", and any torchrun or
+    # Slurm restart, into the newest complete checkpoint). If there is one, on every rank, after
+    # wrapping the model and making the optimizer: load_sharded_model loads this rank's shards
+    # (a checkpoint of another world size is resharded at load time), puts back this rank's
+    # random-number states (so dropout continues exactly) and returns the train_state you
+    # saved; resume_position turns it into the step, epoch and batch to continue from. Everything
+    # else you saved comes back too: a run that forgets the best validation loss or the loss
+    # history goes on, but not as the uninterrupted run would. Say on rank 0 where the run
+    # resumed from and at which step (the job's log is all an instructor sees of a restart).
     resume = resume_checkpoint(args.resume, out_dir / "checkpoints")
     if resume:
         train_state = load_sharded_model(model, optimizer, resume, cfg.to_dict())
@@ -197,7 +203,9 @@ def main():
             if step == args.max_steps:
                 break
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-            # bf16: autocast (the DDP version), or FSDP's policy, which also halves the gathers
+            # bf16 takes both: FSDP's policy gathers bf16 weights (half the traffic), and
+            # autocast, as in the DDP version, picks per operation (matmuls in bf16; softmax,
+            # norms and the loss in fp32)
             with autocast(args.precision, device):
                 logits = model(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -250,14 +258,15 @@ def main():
     print0("memory per rank (MiB): weights+gradients+optimizer "
            f"{' '.join(f'{b / 2**20:.1f}' for b in state_bytes)}; "
            f"peak {' '.join(f'{b / 2**20:.0f}' for b in peak_bytes)}")
-    # DONE 22: Export the trained weights as one ordinary file with
-    # save_full_model(model, out_dir / "final_model.pt") on every rank: it gathers
-    # the full weights on rank 0 (into CPU memory), and the file loads into a plain TransformerLM.
+    # DONE 22: Export the trained weights as one ordinary file, final_model.pt, with
+    # save_full_model, called on every rank: it gathers the full weights on rank 0 (into CPU
+    # memory), and the file loads into a plain TransformerLM.
     save_full_model(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
     monitor.close(summary)
-    # Delete the model first, so its communication buffers are freed while the group still exists.
-    del model, optimizer
+    # Drop the model first, so its communication buffers are freed while the group still exists.
+    # (Assigned None rather than deleted: save_checkpoint above still names them.)
+    model = optimizer = None
     destroy_process_group()
 
 
@@ -277,7 +286,8 @@ def evaluate(model, loader, device):
     # Each rank saw only its share of the split: sum loss and token counts before dividing.
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
     # DONE 19: FSDP frees the root unit's gathered weights only after backward, and evaluation
-    # has none: model.reshard(), or the full embeddings and output layer stay on every rank.
+    # has none: reshard the model here, or the full embeddings and output layer stay on every
+    # rank.
     model.reshard()
     model.train()
     return (loss_sum / tokens).item()

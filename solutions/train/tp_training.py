@@ -11,16 +11,16 @@ Check your work at any moment with
     diff -u train/tp_training.py solutions/train/tp_training.py
 
 Run it (the TP degree defaults to the processes per node, so TP stays inside a node):
-    python train/tp_training.py --preset small --max-steps 300                  # laptop CPU, 1 rank
+    python train/tp_training.py --preset tiny --max-steps 50                    # laptop CPU, 1 rank
     torchrun --standalone --nproc_per_node=2 train/tp_training.py --preset tiny --max-steps 50
     sbatch tp_training.sbatch                      # 2 nodes x 4 GPUs: TP 4 in a node, DP 2 across
 When the TODOs are done, `--tp N` chooses the degree (it must divide the world size, the
 number of heads and the MLP width), e.g.
-    torchrun --standalone --nproc_per_node=4 train/tp_training.py --preset tiny --tp 2  # DP 2 x TP 2
+    torchrun --standalone --nproc_per_node=4 train/tp_training.py --preset tiny --tp 2 \
+        --max-steps 50                                                         # DP 2 x TP 2
 """
 
 import math
-import sys
 import time
 from pathlib import Path
 
@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int
-from utils.checks import claim_out_dir, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
 from utils.monitor import TrainingMonitor, planned_steps
@@ -39,12 +39,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
-                                     print0, save0, setup)
+                                     print0, setup)
 # DONE 23: Import os (for DONE 25), init_device_mesh from torch.distributed.device_mesh,
 # Replicate from torch.distributed.tensor, the tensor-parallel tools from
 # torch.distributed.tensor.parallel (parallelize_module, ColwiseParallel, RowwiseParallel,
 # loss_parallel), fully_shard from torch.distributed.fsdp in place of DDP (DONE 29 says why),
-# and save_full_model from utils.distributed_utils (DONE 32).
+# and save_full_model from utils.distributed_utils in place of save0 (DONE 32).
 import os
 
 from torch.distributed.device_mesh import init_device_mesh
@@ -56,14 +56,15 @@ from utils.distributed_utils import save_full_model
 
 
 # DONE 24: The tensor-parallel plan, as a function of its own (the model file knows nothing of
-# it): apply_tp(model, tp_mesh) -> model. For every block of model.layers.values(),
-# parallelize_module(block, tp_mesh, {name: style}) with ColwiseParallel() for "attn.q_proj",
-# "attn.k_proj", "attn.v_proj" and "mlp.in_proj" (each rank computes some heads or hidden units
-# from the whole input), RowwiseParallel() for "attn.out_proj" and "mlp.out_proj" (each rank
-# multiplies its slice; an all-reduce adds the partial results). Then on the model itself:
-# "tok_emb" split over the vocabulary, RowwiseParallel(input_layouts=Replicate()), and
-# "output" ColwiseParallel(use_local_output=False), so the logits stay split for loss_parallel:
-# these two hold most of the small models' weights.
+# it): apply_tp(model, tp_mesh), returning the model. parallelize_module takes a module, the
+# mesh and a plan {submodule name: style}. In every block (model.layers): the projections that
+# fan out, attention's q, k and v and the MLP's first, are column-wise (each rank computes some
+# heads or hidden units from the whole input); the two that come back, attention's output and
+# the MLP's second, are row-wise (each rank multiplies its slice; an all-reduce adds the
+# partial results). Then on the model itself, the two layers that hold most of a small model's
+# weights: the token embedding split over the vocabulary (row-wise; its input, the token ids,
+# is the same on every rank: Replicate) and the output layer column-wise, its logits left as a
+# split DTensor (no local output) for loss_parallel.
 def apply_tp(model: TransformerLM, tp_mesh) -> TransformerLM:
     """Shard the model over the ranks of `tp_mesh` in place; returns it.
 
@@ -103,14 +104,15 @@ def check_tp_degree(tp: int, world_size: int, cfg) -> None:
     if cfg.d_ff % tp:
         problems.append(f"d_ff {cfg.d_ff} must be divisible by --tp {tp}")
     if problems:
-        sys.exit("error: " + "; ".join(problems) + ": choose another --tp or --preset")
+        stop_on_every_rank("; ".join(problems) + ": choose another --tp or --preset")
 
 
 def main():
     parser = base_parser(__file__, __doc__)
-    # DONE 25: A --tp option (type=int): the tensor-parallel degree. Default: the processes on
-    # this node, int(os.environ.get("LOCAL_WORLD_SIZE", 1)), since TP communicates in every layer
-    # and needs the fast links inside a node.
+    # DONE 25: A --tp option, the tensor-parallel degree, a positive whole number (the parser
+    # type positive_int from utils.args says so in one line for 0 or -2). Default: the processes
+    # on this node (torchrun's LOCAL_WORLD_SIZE, 1 without torchrun), since TP communicates in
+    # every layer and needs the fast links inside a node.
     parser.add_argument("--tp", type=positive_int,
                         default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
                         help="tensor-parallel degree (default: processes per node)")
@@ -130,14 +132,12 @@ def main():
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
-    # DONE 26: Check that the model and the world can be split, check_tp_degree(args.tp,
-    # world_size, cfg), then arrange the ranks in a 2-D device mesh:
-    #     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
-    #                             mesh_dim_names=("dp", "tp"))
-    # TP is the inner dimension: ranks r and r+1 share layers, so a TP group sits inside a node.
-    # Ask the mesh for this rank's data-parallel index and size and the data-parallel group:
-    # dp_rank = mesh["dp"].get_local_rank(), dp_size = mesh["dp"].size(),
-    # dp_group = mesh["dp"].get_group().
+    # DONE 26: Check that the model and the world can be split (check_tp_degree), then arrange
+    # the ranks in a 2-D device mesh (init_device_mesh) with dimensions named "dp" and "tp":
+    # world_size // tp replicas of tp ranks each. TP is the inner (last) dimension: ranks r and
+    # r+1 share layers, so a TP group sits inside a node. Ask the mesh's "dp" dimension for this
+    # rank's data-parallel index (dp_rank), their number (dp_size) and its process group
+    # (dp_group): the next TODOs need them.
     check_tp_degree(args.tp, world_size, cfg)
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
@@ -169,10 +169,9 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    # DONE 28: Shard the model over the TP dimension of the mesh, model = apply_tp(model,
-    # mesh["tp"]), then report how many parameters this rank holds (local_params: the sum of
-    # p.to_local().numel() for DTensor parameters, p.numel() for the others): that is what TP
-    # saves in memory.
+    # DONE 28: Shard the model over the TP dimension of the mesh with your apply_tp, then
+    # count the parameters this rank holds (local_params: a DTensor's local shard counts, a
+    # plain tensor whole) and report them: that is what TP saves in memory.
     model = apply_tp(model, mesh["tp"])
     local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
                        for p in model.parameters())
@@ -182,7 +181,7 @@ def main():
     # different shards and must not be averaged with each other. DDP expects plain tensors;
     # FSDP2 is built on DTensor like TP, so use it: fully_shard every block, then the root, on
     # the dp sub-mesh (with dp 1 it shards nothing and costs nothing). This is the usual 2-D
-    # layout: TP inside a node, FSDP across nodes. fully_shard(module, mesh=mesh["dp"]).
+    # layout: TP inside a node, FSDP across nodes (fully_shard takes the sub-mesh as mesh=).
     for block in model.layers.values():
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -217,10 +216,10 @@ def main():
             step += 1
             # Each rank's loss covers only its own batch: log the mean over the replicas.
             # DONE 31: Tokens and losses are counted per data-parallel replica, not per
-            # process: a TP group shares one batch. throughput.step(x.numel() * dp_size) and
-            # all_reduce_mean(loss.detach(), group=dp_group); at the end training_summary(...,
-            # data_parallel_size=dp_size, tensor_parallel_size=args.tp,
-            # params_per_rank=local_params).
+            # process: a TP group shares one batch. The tokens of a step are the batch times the
+            # replicas, the loss is averaged over the dp group only, and at the end the summary
+            # is told the data- and tensor-parallel sizes and this rank's parameter count
+            # (training_summary's data_parallel_size, tensor_parallel_size, params_per_rank).
             throughput.step(x.numel() * dp_size)
             step_loss = all_reduce_mean(loss.detach(), group=dp_group)
             stop_if_not_finite(step_loss, step)  # before anything is saved over a good file
