@@ -34,9 +34,10 @@ ROCM_INDEX_URL=https://download.pytorch.org/whl/rocm7.1
 arch=$(uname -m)
 # The GPUs of this node as their vendors' tools see them (none: a login node or a CPU node).
 nvidia_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+# (grep reads to the end, not -q: under pipefail an early exit would fail the writer with SIGPIPE)
 amd_gpu() {
-    { command -v rocm-smi >/dev/null 2>&1 && rocm-smi --showproductname 2>/dev/null | grep -q 'GPU\['; } ||
-        { command -v amd-smi >/dev/null 2>&1 && amd-smi list 2>/dev/null | grep -q '^GPU'; }
+    { command -v rocm-smi >/dev/null 2>&1 && rocm-smi --showproductname 2>/dev/null | grep 'GPU\[' >/dev/null; } ||
+        { command -v amd-smi >/dev/null 2>&1 && amd-smi list 2>/dev/null | grep '^GPU' >/dev/null; }
 }
 variant=${TORCH_VARIANT:-auto}
 if [ "$variant" = auto ]; then
