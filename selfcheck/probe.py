@@ -518,8 +518,9 @@ class Probe:
                 count += (y != ud.IGNORE_INDEX).sum().item()
             model.train(was)
             dataset._check["off"] = False
-            if hasattr(model, "reshard"):
-                model.reshard()
+            for unit in model.modules():  # as it found them: every FSDP unit sharded
+                if hasattr(unit, "reshard"):
+                    unit.reshard()
         return (total / count).item()
 
     def snapshot(self) -> None:

@@ -130,8 +130,8 @@ MISTAKES = [
     ("sbatch", SBATCH, "four nodes", 16, [("#SBATCH --nodes=2", "#SBATCH --nodes=4")]),
     # ---- FSDP --------------------------------------------------------------------------
     ("fsdp", FSDP, "fully_shard not imported", 17,
-     [("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
-       "from torch.distributed.fsdp import MixedPrecisionPolicy")]),
+     [("from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard",
+       "from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy")]),
     ("fsdp", FSDP, "load_sharded_model not imported", 17,
      [("from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model",
        "from utils.distributed_utils import save_full_model, save_sharded_model")]),
@@ -159,7 +159,12 @@ MISTAKES = [
        "    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, "
        "weight_decay=args.weight_decay)\n"
        '    model = apply_fsdp(model, args.precision, args.reshard_after_forward == "true")\n')]),
-    ("fsdp", FSDP, "no reshard after evaluation", 19, [("    model.reshard()\n", "")]),
+    ("fsdp", FSDP, "no reshard after evaluation", 19,
+     [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
+       "            unit.reshard()\n", "")]),
+    ("fsdp", FSDP, "only the root resharded after evaluation", 19,  # reshard() is not recursive
+     [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
+       "            unit.reshard()\n", "    model.reshard()\n")]),
     ("fsdp", FSDP, "the option's string passed as the flag", 19,
      [('apply_fsdp(model, args.precision, args.reshard_after_forward == "true")',
        "apply_fsdp(model, args.precision, args.reshard_after_forward)")]),
@@ -459,6 +464,10 @@ MISTAKES = [
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
+    ("fsdp", FSDP, "every unit resharded by name, blocks then root",
+     [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
+       "            unit.reshard()\n",
+       "    for block in model.layers.values():\n        block.reshard()\n    model.reshard()\n")]),
     ("ddp", DDP, "imports merged into the existing lines",
      [("from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit",
        "from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,\n"

@@ -4,6 +4,7 @@ with it still tracks plain fp32 training (on CPU, where bf16 autocast works too)
 from __future__ import annotations
 
 import argparse
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -332,3 +333,14 @@ def test_compile_trains_like_eager(tmp_path, data_cache):
     # the checkpoint keys are the plain model's: compiling blocks in place adds no prefix
     keys = torch.load(tmp_path / "compiled" / "final_model.pt", weights_only=True).keys()
     assert keys == torch.load(tmp_path / "eager" / "final_model.pt", weights_only=True).keys()
+
+
+def test_the_final_line_names_a_run_without_timed_steps_and_a_cpus_resident_memory():
+    from utils.metrics import peak_memory_text, speed_text
+    assert speed_text({"tokens_per_s": 1234.4, "mfu": 0.123}) == "1234 tokens/s, MFU 12.3%"
+    assert speed_text({"tokens_per_s": math.nan, "mfu": math.nan}) == \
+        "no training step timed in this run"
+    summary = {"peak_mem_bytes": 395 * 2**20}
+    assert peak_memory_text(summary, torch.device("cpu")) == \
+        "peak memory 395 MiB (resident size of the process)"
+    assert peak_memory_text(summary, torch.device("cuda")) == "peak memory 395 MiB"

@@ -177,6 +177,21 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def speed_text(summary: dict) -> str:
+    """"N tokens/s, MFU x%" of a run's timed steps, or why there are none (a run resumed at
+    --max-steps only evaluates and exports: no step was timed, so no speed)."""
+    if not math.isfinite(summary.get("tokens_per_s", math.nan)):
+        return "no training step timed in this run"
+    return f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}"
+
+
+def peak_memory_text(summary: dict, device: torch.device) -> str:
+    """The peak memory for the final line: on a CPU it is the whole process's resident size
+    (Python, torch and the data included), not only the tensors."""
+    text = f"peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB"
+    return text if device.type == "cuda" else text + " (resident size of the process)"
+
+
 def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> int:
     """Bytes of this rank's parameters, gradients and optimizer state.
 
