@@ -147,7 +147,13 @@ def test_mfu_on_a_known_gpu_divides_by_the_data_sheet_peak_of_the_precision(monk
 
 @pytest.mark.parametrize("name, gpu", [("NVIDIA H100 PCIe", "H100 PCIe"),
                                        ("NVIDIA H100 NVL", "H100 NVL"),
-                                       ("NVIDIA GH200 480GB", "H200"),
+                                       ("NVIDIA GH200 480GB", "GH200"),
+                                       ("NVIDIA GH200 120GB", "GH200"),
+                                       ("NVIDIA H200", "H200"),
+                                       ("AMD Instinct MI250X", "MI250X"),
+                                       ("AMD Instinct MI250X / MI250", "MI250X"),
+                                       ("AMD Instinct MI300X", "MI300X"),
+                                       ("AMD Instinct MI300A", "MI300A"),
                                        ("NVIDIA A100-SXM4-80GB", "A100"),
                                        ("Tesla V100-SXM2-32GB", "V100")])
 def test_each_gpu_takes_the_peaks_of_its_own_card_not_of_one_it_shares_a_name_with(
@@ -156,6 +162,29 @@ def test_each_gpu_takes_the_peaks_of_its_own_card_not_of_one_it_shares_a_name_wi
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert metrics.peak_flops(CUDA, "bf16") == (metrics.GPU_PEAK_FLOPS[gpu]["bfloat16"],
                                                 f"{gpu} data sheet (bfloat16)")
+
+
+# The data sheets, in TFLOP/s (dense: tensor-core figures without sparsity), per torch device:
+#   NVIDIA GH200 Grace Hopper Superchip data sheet: FP32 67, TF32 Tensor Core 494 (989 with
+#     sparsity), BF16 Tensor Core 990 (1,979 with sparsity)
+#   AMD Instinct MI250X data sheet (one card = 2 GCDs = 2 torch devices): FP32 Matrix 95.7,
+#     BF16 383 (no TF32)
+#   AMD Instinct MI300X data sheet: FP32 Matrix 163.4, TF32 Matrix 653.7, BF16 1,307.4 (dense)
+#   AMD Instinct MI300A data sheet: FP32 Matrix 122.6, TF32 Matrix 490.3, BF16 980.6 (dense)
+DATA_SHEETS = {
+    "NVIDIA GH200 480GB": (67, 494.7, 989.4),
+    "AMD Instinct MI250X": (95.7 / 2, 95.7 / 2, 383 / 2),
+    "AMD Instinct MI300X": (163.4, 653.7, 1307.4),
+    "AMD Instinct MI300A": (122.6, 490.3, 980.6),
+}
+
+
+@pytest.mark.parametrize("name", DATA_SHEETS)
+def test_the_mfu_peaks_of_grace_hopper_and_amd_instinct_are_their_data_sheets(monkeypatch, name):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    peaks = [metrics.peak_flops(CUDA, p)[0] / 1e12 for p in ("fp32", "tf32", "bf16")]
+    assert peaks == pytest.approx(DATA_SHEETS[name], rel=2e-3)
 
 
 def test_the_pcie_h100_has_lower_peaks_than_the_sxm_h100(monkeypatch):

@@ -47,7 +47,7 @@ def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     """
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda was asked for, but torch sees no usable GPU here: "
-                 "run on a GPU node with a CUDA build of torch, or leave out --device")
+                 "run on a GPU node with a CUDA (or ROCm) build of torch, or leave out --device")
     if device in ("auto", "cuda") and torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if local_rank >= visible:
@@ -72,11 +72,17 @@ def warn_if_slurm_gpus_are_unused() -> None:
     gpus = os.environ.get("SLURM_JOB_GPUS")
     if not gpus or torch.cuda.is_available():
         return
-    why = ("a CPU-only build" if torch.version.cuda is None
-           else f"built for CUDA {torch.version.cuda}: is the driver older?")
+    # A ROCm build (AMD GPUs) has torch.version.hip where a CUDA build has torch.version.cuda.
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        why, variant = f"built for ROCm {hip}: is the driver older?", "rocm"
+    elif torch.version.cuda:
+        why, variant = f"built for CUDA {torch.version.cuda}: is the driver older?", "cuda"
+    else:
+        why, variant = "a CPU-only build", "cuda"
     print(f"WARNING: Slurm gave this job GPUs ({gpus}), but torch {torch.__version__} cannot "
           f"use them ({why}): training on the CPU. For the GPUs, make the environment with "
-          "TORCH_VARIANT=cuda bash setup_env.sh; to train on the CPU on purpose, pass "
+          f"TORCH_VARIANT={variant} bash setup_env.sh; to train on the CPU on purpose, pass "
           "--device cpu", file=sys.stderr, flush=True)
 
 

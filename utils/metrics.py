@@ -34,13 +34,23 @@ def flops_per_token(n_params_non_embedding: int, n_layers: int, d_model: int, se
 # Dense peak FLOP/s per GPU from the vendors' data sheets (which print tensor-core figures
 # with sparsity: half of those), by the dtype the matmuls run in. fp32 means true fp32:
 # PyTorch leaves TF32 off for matmuls unless you enable it. The first name contained in the
-# device's name wins, so the PCIe and NVL cards come before the SXM ones they share a name with.
+# device's name wins, so the PCIe and NVL cards come before the SXM ones they share a name with
+# (and GH200 before H200). docs/site-*.md list the sources.
 GPU_PEAK_FLOPS = {
     "H100 PCIe": {"float32": 51.2e12, "tf32": 378e12, "bfloat16": 756.5e12},
     "H100 NVL": {"float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12},
     "H200 NVL": {"float32": 60e12, "tf32": 417.5e12, "bfloat16": 835.5e12},
-    "H100": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM, GH200
-    "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM, GH200
+    # Grace Hopper (JUPITER, Alps): the Hopper GPU of the superchip has the H100 SXM's peaks
+    "GH200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},
+    "H100": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM
+    "H200": {"float32": 67e12, "tf32": 494.7e12, "bfloat16": 989.4e12},  # SXM
+    # AMD Instinct (PyTorch's ROCm build: the same torch.cuda API). fp32 matmuls run on the
+    # matrix cores (their FP32 matrix figure). An MI250X is two dies (GCDs), each its own
+    # torch device: the figures are per GCD, half the card's (95.7 / 383 TFLOP/s). CDNA2 has no
+    # TF32: tf32 runs as fp32 there.
+    "MI250X": {"float32": 47.9e12, "tf32": 47.9e12, "bfloat16": 191.5e12},  # per GCD
+    "MI300X": {"float32": 163.4e12, "tf32": 653.7e12, "bfloat16": 1307.4e12},
+    "MI300A": {"float32": 122.6e12, "tf32": 490.3e12, "bfloat16": 980.6e12},
     "A100": {"float32": 19.5e12, "tf32": 156e12, "bfloat16": 312e12},  # SXM and PCIe
     # Volta has neither TF32 nor bf16 units: both run no faster than fp32 there
     "V100": {"float32": 15.7e12, "tf32": 15.7e12, "bfloat16": 15.7e12},

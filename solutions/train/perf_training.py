@@ -96,7 +96,9 @@ def make_profiler(out_dir: Path, rank: int, device: torch.device, steps_availabl
 
 # DONE 44: Named ranges for the phases of a step. record_function puts them into the
 # profiler's trace; on a GPU, NVTX ranges put them into an Nsight Systems timeline (nsys), next
-# to the kernels and NCCL calls they launched. On a CPU there is no NVTX: only the first.
+# to the kernels and NCCL calls they launched. (On an AMD GPU the ROCm build of PyTorch sends
+# the same torch.cuda.nvtx calls to ROCTX, which rocprofv3 --marker-trace records.) On a CPU
+# there is no NVTX: only the first.
 def annotate(name: str, device: torch.device):
     ranges = contextlib.ExitStack()
     ranges.enter_context(record_function(name))
