@@ -86,8 +86,13 @@ class Probe:
         import model.transformer as mt
         import utils.data as ud
         import utils.distributed_utils as du
+        import utils.checks as uc
         import utils.metrics as um
         probe, record = self, self.record
+
+        def exit_through_the_probe(status: int) -> None:
+            raise SystemExit(status)  # run() records the stop, then exits without teardown too
+        uc._exit_without_teardown = exit_through_the_probe
 
         def wrap(owner, name, before=None, after=None):
             original = getattr(owner, name)
@@ -529,8 +534,9 @@ class Probe:
                 count += (y != ud.IGNORE_INDEX).sum().item()
             model.train(was)
             dataset._check["off"] = False
-            if hasattr(model, "reshard"):
-                model.reshard()
+            for unit in model.modules():  # as it found them: every FSDP unit sharded
+                if hasattr(unit, "reshard"):
+                    unit.reshard()
         return (total / count).item()
 
     def snapshot(self) -> None:

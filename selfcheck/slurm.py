@@ -232,7 +232,8 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
         str(int(directives["--ntasks"]) // n_nodes) if directives.get("--ntasks") else "1")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE",
-                                "SCRIPT", "OUT_DIR", "NSYS", "TORCHELASTIC_", "VENV"))}
+                                "SCRIPT", "OUT_DIR", "NSYS", "TORCHELASTIC_", "VENV",
+                                "SITE"))}  # (an exported SITE=lumi would load LUMI's modules)
     log = d / "launches.jsonl"
     log.write_text("")
     # bash reads BASH_ENV first: an ERR trap that names the line where the job file stopped

@@ -106,11 +106,11 @@ MISTAKES = [
     # ---- the DDP job file ---------------------------------------------------------------
     ("sbatch", SBATCH, "one GPU asked for", 12, [("#SBATCH --gres=gpu:4", "#SBATCH --gres=gpu:1")]),
     ("sbatch", SBATCH, "one GPU made visible", 12,
-     [("export CUDA_VISIBLE_DEVICES=0,1,2,3", "export CUDA_VISIBLE_DEVICES=0")]),
+     [("export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS", "export CUDA_VISIBLE_DEVICES=0")]),
     ("sbatch", SBATCH, "MASTER_ADDR from the last node", 13, [("| sed -n 1p)", "| tail -n 1)")]),
     ("sbatch", SBATCH, "head -n 1 under pipefail", 13, [("| sed -n 1p)", "| head -n 1)")]),
     ("sbatch", SBATCH, "the ethernet name, not the InfiniBand one", 13,
-     [('nslookup "${MASTER_ADDR}i"', 'nslookup "${MASTER_ADDR}"')]),
+     [('nslookup "${MASTER_ADDR}${SITE_IB_SUFFIX}"', 'nslookup "${MASTER_ADDR}"')]),
     ("sbatch", SBATCH, "MASTER_ADDR not exported", 13, [("export MASTER_ADDR\n", "")]),
     ("sbatch", SBATCH, "a fixed port", 14, [("$((20000 + SLURM_JOB_ID % 10000))", "29500")]),
     ("sbatch", SBATCH, "MASTER_PORT not exported", 14,
@@ -131,8 +131,8 @@ MISTAKES = [
     ("sbatch", SBATCH, "four nodes", 16, [("#SBATCH --nodes=2", "#SBATCH --nodes=4")]),
     # ---- FSDP --------------------------------------------------------------------------
     ("fsdp", FSDP, "fully_shard not imported", 17,
-     [("from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard",
-       "from torch.distributed.fsdp import MixedPrecisionPolicy")]),
+     [("from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard",
+       "from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy")]),
     ("fsdp", FSDP, "load_sharded_model not imported", 17,
      [("from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model",
        "from utils.distributed_utils import save_full_model, save_sharded_model")]),
@@ -160,7 +160,12 @@ MISTAKES = [
        "    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, "
        "weight_decay=args.weight_decay)\n"
        '    model = apply_fsdp(model, args.precision, args.reshard_after_forward == "true")\n')]),
-    ("fsdp", FSDP, "no reshard after evaluation", 19, [("    model.reshard()\n", "")]),
+    ("fsdp", FSDP, "no reshard after evaluation", 19,
+     [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
+       "            unit.reshard()\n", "")]),
+    ("fsdp", FSDP, "only the root resharded after evaluation", 19,  # reshard() is not recursive
+     [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
+       "            unit.reshard()\n", "    model.reshard()\n")]),
     ("fsdp", FSDP, "the option's string passed as the flag", 19,
      [('apply_fsdp(model, args.precision, args.reshard_after_forward == "true")',
        "apply_fsdp(model, args.precision, args.reshard_after_forward)")]),
@@ -506,6 +511,10 @@ MISTAKES = [
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
+    ("fsdp", FSDP, "every unit resharded by name, blocks then root",
+     [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
+       "            unit.reshard()\n",
+       "    for block in model.layers.values():\n        block.reshard()\n    model.reshard()\n")]),
     ("ddp", DDP, "imports merged into the existing lines",
      [("from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit",
        "from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,\n"
@@ -524,7 +533,7 @@ CORRECT = [
     ("ddp", DDP, "torch.distributed's own teardown",
      [("    destroy_process_group()\n",
        "    import torch.distributed as dist\n    dist.barrier()\n    dist.destroy_process_group()\n")]),
-    ("sbatch", SBATCH, "CUDA_VISIBLE_DEVICES left to Slurm", [("export CUDA_VISIBLE_DEVICES=0,1,2,3\n", "")]),
+    ("sbatch", SBATCH, "CUDA_VISIBLE_DEVICES left to Slurm", [("export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n", "")]),
     ("sbatch", SBATCH, "the nodes given as -N", [("#SBATCH --nodes=2", "#SBATCH -N 2")]),
     ("sbatch", SBATCH, "torchrun's dashed options",
      [("--nproc_per_node=", "--nproc-per-node="), ("--rdzv_backend=", "--rdzv-backend="),

@@ -66,20 +66,23 @@ def test_asking_for_cuda_where_there_is_none_fails_with_one_clear_message(monkey
         du.pick_device("cuda")
 
 
-@pytest.mark.parametrize("cuda, why", [(None, "a CPU-only build"),
-                                        ("13.0", "built for CUDA 13.0: is the driver older?")])
+@pytest.mark.parametrize("cuda, hip, why, variant", [
+    (None, None, "a CPU-only build", "cuda"),
+    ("13.0", None, "built for CUDA 13.0: is the driver older?", "cuda"),
+    (None, "7.1.25424", "built for ROCm 7.1.25424: is the driver older?", "rocm")])
 def test_a_slurm_job_with_gpus_that_torch_cannot_use_warns_once_that_it_trains_on_the_cpu(
-        monkeypatch, capsys, cuda, why):
+        monkeypatch, capsys, cuda, hip, why, variant):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(torch.version, "hip", hip, raising=False)
     monkeypatch.setenv("SLURM_JOB_GPUS", "0,1,2,3")
     monkeypatch.setenv("RANK", "0")
     assert du.pick_device("auto") == torch.device("cpu")
     line = capsys.readouterr().err.strip()
     assert line == (f"WARNING: Slurm gave this job GPUs (0,1,2,3), but torch {torch.__version__} "
                     f"cannot use them ({why}): training on the CPU. For the GPUs, make the "
-                    "environment with TORCH_VARIANT=cuda bash setup_env.sh; to train on the CPU "
-                    "on purpose, pass --device cpu")
+                    f"environment with TORCH_VARIANT={variant} bash setup_env.sh; to train on "
+                    "the CPU on purpose, pass --device cpu")
     for rank, device in (("1", "auto"), ("0", "cpu")):  # other ranks, and the CPU on purpose
         monkeypatch.setenv("RANK", rank)
         du.pick_device(device)

@@ -414,6 +414,59 @@ def test_every_gpu_gets_its_own_curve_named_by_node_and_nvml_index(monkeypatch):
     assert logged["system/jwb0042/rank0/rss_gib"] > 0
 
 
+class FakeAmdSmi:
+    """The calls of ROCm's amdsmi package the sampler makes: a node of two MI250X GCDs, the
+    second at 87 %, 30 GiB, 412 W (MI250X reports no current power, only the average), 71 C."""
+    AmdSmiMemoryType = SimpleNamespace(VRAM="vram")
+    AmdSmiTemperatureType = SimpleNamespace(HOTSPOT="hotspot")
+    AmdSmiTemperatureMetric = SimpleNamespace(CURRENT="current")
+
+    def amdsmi_get_processor_handles(self):
+        return ["gcd0", "gcd1"]
+
+    def amdsmi_get_gpu_device_bdf(self, h):
+        return {"gcd0": "0000:c1:00.0", "gcd1": "0000:c6:00.0"}[h]
+
+    def amdsmi_get_gpu_activity(self, h):
+        return {"gfx_activity": 87 if h == "gcd1" else 0, "umc_activity": 40}
+
+    def amdsmi_get_gpu_memory_usage(self, h, kind):
+        assert kind == "vram"
+        return 30 * 2**30
+
+    def amdsmi_get_power_info(self, h):
+        return {"current_socket_power": "N/A", "average_socket_power": 412}
+
+    def amdsmi_get_temp_metric(self, h, sensor, metric):
+        assert (sensor, metric) == ("hotspot", "current")
+        return 71
+
+
+def test_on_an_amd_gpu_the_sampler_reads_the_same_values_from_amd_smi(monkeypatch):
+    from utils import system_metrics
+    smi = system_metrics.AmdSmiAsNvml(FakeAmdSmi())
+    monkeypatch.setattr(torch.version, "hip", "7.1.25424", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(
+        pci_domain_id=0, pci_bus_id=0xc6, pci_device_id=0))
+    handle = system_metrics.amdsmi_handle(torch.device("cuda", 0), smi)
+    assert handle == ("gcd1", 1)  # by PCI address: torch's cuda:0 is the node's second GCD
+    sampler = SystemSampler(gpu_handle=handle, nvml=smi, seconds=60)
+    sampler.close()
+    values = dict(zip(FIELDS, sampler.take()))
+    assert (values["gpu_utilization"], values["gpu_memory_gib"], values["gpu_power_w"],
+            values["gpu_temperature_c"]) == (87, 30, 412, 71)
+    assert system_metrics.nvml_index(handle, smi) == 1
+
+
+def test_without_amd_smi_an_amd_gpu_s_values_are_left_out(monkeypatch):
+    from utils import system_metrics
+    monkeypatch.setattr(torch.version, "hip", "7.1.25424", raising=False)
+    monkeypatch.setitem(sys.modules, "amdsmi", None)  # import amdsmi fails
+    sampler, index = system_metrics.start_sampler(torch.device("cuda", 0), seconds=60)
+    sampler.close()
+    assert index == -1 and math.isnan(dict(zip(FIELDS, sampler.take()))["gpu_utilization"])
+
+
 def test_a_value_the_gpu_does_not_report_is_left_out_and_the_others_kept():
     class NoPower(FakeNVML):
         def nvmlDeviceGetPowerUsage(self, handle):

@@ -260,3 +260,17 @@ def test_the_sbatch_file_runs_the_script_plainly_and_under_nsys_only_with_nsys_1
     assert traced.index("python") > start
     exercise = submit_perf_sbatch(tmp_path / "c", "perf_training.sbatch", NSYS="1")
     assert "nsys" not in exercise and "train/perf_training.py" in exercise  # before its TODO
+
+
+def test_on_amd_gpus_rocprof_1_runs_the_script_under_rocprofv3_into_the_job_s_folder(tmp_path):
+    solution = "solutions/train/perf_training.py"
+    traced = submit_perf_sbatch(tmp_path, "solutions/perf_training.sbatch", ROCPROF="1",
+                                SCRIPT=solution)
+    start = traced.index("rocprofv3")
+    options = traced[start + 1:traced.index("--")]
+    # the kernels, HIP calls, the script's ranges (ROCTX), RCCL and copies; a Perfetto trace
+    assert {"--kernel-trace", "--hip-trace", "--marker-trace", "--rccl-trace"} <= set(options)
+    assert options[options.index("-d") + 1] == str(tmp_path / "runs" / "perf-7" / "rocprof")
+    assert options[options.index("--output-format") + 1] == "pftrace"
+    assert traced[traced.index("--") + 1:traced.index("--") + 3] == ["python", "-u"]
+    assert "nsys" not in traced

@@ -4,6 +4,8 @@ with it still tracks plain fp32 training (on CPU, where bf16 autocast works too)
 from __future__ import annotations
 
 import argparse
+import json
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -146,7 +148,13 @@ def test_mfu_on_a_known_gpu_divides_by_the_data_sheet_peak_of_the_precision(monk
 
 @pytest.mark.parametrize("name, gpu", [("NVIDIA H100 PCIe", "H100 PCIe"),
                                        ("NVIDIA H100 NVL", "H100 NVL"),
-                                       ("NVIDIA GH200 480GB", "H200"),
+                                       ("NVIDIA GH200 480GB", "GH200"),
+                                       ("NVIDIA GH200 120GB", "GH200"),
+                                       ("NVIDIA H200", "H200"),
+                                       ("AMD Instinct MI250X", "MI250X"),
+                                       ("AMD Instinct MI250X / MI250", "MI250X"),
+                                       ("AMD Instinct MI300X", "MI300X"),
+                                       ("AMD Instinct MI300A", "MI300A"),
                                        ("NVIDIA A100-SXM4-80GB", "A100"),
                                        ("Tesla V100-SXM2-32GB", "V100")])
 def test_each_gpu_takes_the_peaks_of_its_own_card_not_of_one_it_shares_a_name_with(
@@ -155,6 +163,29 @@ def test_each_gpu_takes_the_peaks_of_its_own_card_not_of_one_it_shares_a_name_wi
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
     assert metrics.peak_flops(CUDA, "bf16") == (metrics.GPU_PEAK_FLOPS[gpu]["bfloat16"],
                                                 f"{gpu} data sheet (bfloat16)")
+
+
+# The data sheets, in TFLOP/s (dense: tensor-core figures without sparsity), per torch device:
+#   NVIDIA GH200 Grace Hopper Superchip data sheet: FP32 67, TF32 Tensor Core 494 (989 with
+#     sparsity), BF16 Tensor Core 990 (1,979 with sparsity)
+#   AMD Instinct MI250X data sheet (one card = 2 GCDs = 2 torch devices): FP32 Matrix 95.7,
+#     BF16 383 (no TF32)
+#   AMD Instinct MI300X data sheet: FP32 Matrix 163.4, TF32 Matrix 653.7, BF16 1,307.4 (dense)
+#   AMD Instinct MI300A data sheet: FP32 Matrix 122.6, TF32 Matrix 490.3, BF16 980.6 (dense)
+DATA_SHEETS = {
+    "NVIDIA GH200 480GB": (67, 494.7, 989.4),
+    "AMD Instinct MI250X": (95.7 / 2, 95.7 / 2, 383 / 2),
+    "AMD Instinct MI300X": (163.4, 653.7, 1307.4),
+    "AMD Instinct MI300A": (122.6, 490.3, 980.6),
+}
+
+
+@pytest.mark.parametrize("name", DATA_SHEETS)
+def test_the_mfu_peaks_of_grace_hopper_and_amd_instinct_are_their_data_sheets(monkeypatch, name):
+    monkeypatch.delenv("PEAK_FLOPS", raising=False)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    peaks = [metrics.peak_flops(CUDA, p)[0] / 1e12 for p in ("fp32", "tf32", "bf16")]
+    assert peaks == pytest.approx(DATA_SHEETS[name], rel=2e-3)
 
 
 def test_the_pcie_h100_has_lower_peaks_than_the_sxm_h100(monkeypatch):
@@ -214,6 +245,23 @@ def test_the_training_summary_reports_the_precision_and_its_peak(monkeypatch):
         throughput=throughput, flops_per_token=1e6, device=CPU, start_time=0.0)
     assert summary["precision"] == "bf16"
     assert summary["mfu"] == pytest.approx(1000.0 * 1e6 / (1e12 * 2))
+
+
+def test_mfu_above_100_percent_measures_a_peak_kept_from_a_busy_moment_again(measured, capsys):
+    """A peak measured while the machine was busy (here 1 MFLOP/s) made MFU 146 % in the
+    README's run; the run that sees it measures again, keeps the larger and says so."""
+    _, _, key = metrics._peak_key(CPU, "float32")
+    metrics.peak_cache_file().write_text(json.dumps({key: {"flops": 1e6, "measured": "x"}}))
+    throughput = SimpleNamespace(tokens_per_s=lambda: 1000.0)
+    args = SimpleNamespace(precision="fp32", batch_size=2, preset="tiny")
+    summary = metrics.training_summary(
+        args, get_config("tiny", vocab_size=11), SimpleNamespace(source="synthetic"),
+        world_size=1, steps=1, loss_history=[], val_loss=1.0, test_loss=1.0,
+        throughput=throughput, flops_per_token=1e4, device=CPU, start_time=0.0)
+    assert summary["mfu"] == pytest.approx(10.0)  # this run's figures stay as logged
+    assert "note: MFU above 100 %" in capsys.readouterr().out
+    metrics.measured_peak_flops.cache_clear()      # the next run reads the new measurement
+    assert metrics.peak_flops(CPU, "fp32")[0] == 1e9 and measured == [torch.float32]
 
 
 # ---- training with it --------------------------------------------------------------------
@@ -303,3 +351,14 @@ def test_compile_trains_like_eager(tmp_path, data_cache):
     # the checkpoint keys are the plain model's: compiling blocks in place adds no prefix
     keys = torch.load(tmp_path / "compiled" / "final_model.pt", weights_only=True).keys()
     assert keys == torch.load(tmp_path / "eager" / "final_model.pt", weights_only=True).keys()
+
+
+def test_the_final_line_names_a_run_without_timed_steps_and_a_cpus_resident_memory():
+    from utils.metrics import peak_memory_text, speed_text
+    assert speed_text({"tokens_per_s": 1234.4, "mfu": 0.123}) == "1234 tokens/s, MFU 12.3%"
+    assert speed_text({"tokens_per_s": math.nan, "mfu": math.nan}) == \
+        "no training step timed in this run"
+    summary = {"peak_mem_bytes": 395 * 2**20}
+    assert peak_memory_text(summary, torch.device("cpu")) == \
+        "peak memory 395 MiB (resident size of the process)"
+    assert peak_memory_text(summary, torch.device("cuda")) == "peak memory 395 MiB"

@@ -694,3 +694,30 @@ def test_an_sbatch_file_run_with_bash_says_to_submit_it_with_sbatch(sbatch):
     # one line; the training steps add "[training arguments]", gpu_tests.sbatch takes none
     assert proc.stderr.count("\n") == 1
     assert proc.stderr.startswith(f"error: submit this file with sbatch: sbatch {sbatch}")
+
+
+def test_on_a_gpu_losses_are_read_at_the_next_save_or_log_step_and_the_first_bad_step_named(
+        monkeypatch, tmp_path, capsys):
+    """Reading a GPU tensor waits for the GPU: stop_if_not_finite keeps GPU losses unread
+    (here CPU tensors stand in for them) until a save, a log step or the validation loss."""
+    from utils import checks
+    from utils.distributed_utils import save0
+    monkeypatch.setattr(checks, "_on_gpu", lambda loss: isinstance(loss, torch.Tensor))
+    monkeypatch.setattr(checks, "_unread", [])
+    for step, loss in enumerate([2.0, float("nan"), float("inf")], 1):
+        checks.stop_if_not_finite(torch.tensor(loss), step)  # kept, not read: no stop yet
+    assert [step for step, _, _ in checks._unread] == [1, 2, 3]
+    with pytest.raises(SystemExit):
+        save0(torch.nn.Linear(2, 2), tmp_path / "model.pt")
+    assert "error: the training loss is nan at step 2: training diverged" in capsys.readouterr().err
+    assert not (tmp_path / "model.pt").exists() and checks._unread == []
+    # finite losses are read (once, all together) by the validation check and let it pass
+    checks.stop_if_not_finite(torch.tensor(1.0), 4)
+    checks.stop_if_not_finite(3.5, 4, "validation loss")
+    assert checks._unread == []
+    # a run that never logs or saves still reads them every UNREAD_LIMIT steps
+    monkeypatch.setattr(checks, "UNREAD_LIMIT", 3)
+    checks.stop_if_not_finite(torch.tensor(1.0), 5)
+    checks.stop_if_not_finite(torch.tensor(1.0), 6)
+    with pytest.raises(SystemExit):
+        checks.stop_if_not_finite(torch.tensor(float("nan")), 7)

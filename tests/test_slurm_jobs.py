@@ -13,7 +13,9 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -393,7 +395,7 @@ def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_t
         slurm, tmp_path, text_dir, job_env):
     """collectives.sbatch on 2 nodes x 2 CPU processes: the benchmark on one node and on both,
     the comparison, the performance step's trace and the lesson (its solution) on both nodes.
-    The nodes have no NVIDIA driver: the topology and the NCCL transports say they do not apply."""
+    The nodes have no GPU driver: the topology and the NCCL transports say they do not apply."""
     if not (ROOT / "collectives.sbatch").is_file():
         pytest.skip("collectives.sbatch is not in this checkout yet")
     out = tmp_path / "run"
@@ -408,7 +410,7 @@ def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_t
     nodes = slurm.hostnames(job.node_list)
     assert len(nodes) == 2, why
     for node in nodes:  # the GPU-only parts say that they are skipped, on every node
-        assert f"nvidia-smi topo -m on {node}: skipped, no NVIDIA driver" in log, why
+        assert f"GPU topology on {node}: skipped, no GPU driver (nvidia-smi, rocm-smi)" in log, why
     for run in ("one_node", "two_nodes"):
         assert f"NCCL transport ({run}): not applicable, no NCCL log (gloo" in log, why
 
@@ -459,7 +461,7 @@ def test_preflight_passes_on_cpu_nodes_with_every_gpu_line_not_applicable(slurm,
         assert rows[("torch", node)][0] == "PASS", why
         for check in ("CUDA, driver, NCCL", "GPUs visible"):
             status, detail = rows[(check, node)]
-            assert status == "N/A" and "no NVIDIA driver on this node" in detail, why
+            assert status == "N/A" and "no GPU driver on this node" in detail, why
         assert rows[("data cache", node)][0] == "PASS", why
         assert rows[("output folder", node)][0] == "PASS", why
     assert rows[("InfiniBand name", nodes[0])] == (
@@ -497,3 +499,91 @@ def test_a_broken_rendezvous_and_a_missing_cache_fail_the_preflight_with_what_to
 
 def detail_port(log: str) -> str:
     return re.search(r"^MASTER_ADDR=\S+ MASTER_PORT=(\d+)$", log, re.M).group(1)
+
+
+# ------------------------------------------------------------------------ site profiles
+# Each profile (sites/*.env) submits the DDP step with sites/sbatch to the two test nodes. The
+# test nodes have 4 GPUs and 256 CPUs each: a profile's own node size (LUMI's 8 GCDs, JUPITER's
+# 72 cores per GPU) is what tests/test_sites.py checks; here SITE_GPUS_PER_NODE and
+# SITE_CPUS_PER_GPU are set to what fits, and the partition is the test cluster's.
+SITE_STANDINS = {
+    "module": 'echo "$*" >> "$SITE_CALLS/module"',
+    # apptainer exec [options] --bind LIST IMAGE COMMAND ARGS: record, run the command "inside"
+    "apptainer": '''echo "$(hostname) $*" >> "$SITE_CALLS/apptainer"
+[ "$1" = exec ] || exit 1; shift
+while [ "${1#-}" != "$1" ]; do case $1 in --bind|-B) shift 2 ;; *) shift ;; esac; done
+image=$1; shift
+# the image's Python and torch: here the venv of the tests
+APPTAINER_CONTAINER=$image PATH=$IMAGE_BIN:$PATH exec "$@"''',
+}
+SITE_FITS = {"lumi": {"SITE_GPUS_PER_NODE": 4, "SITE_ACCOUNT": "project_465000000"},
+             "jupiter": {"SITE_CPUS_PER_GPU": 8}}
+
+
+def sbatch_with_profile(slurm: Cluster, site: str, job_file: str, *args, output: Path,
+                        env: dict, deadline: float = 150) -> tuple[Job, str]:
+    """`SITE=site sites/sbatch --nodes=2 JOB_FILE ARGS` as an instructor submits it; returns the
+    job and what sites/sbatch said it submitted."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    run_env = slurm.job_env({**env, "SITE": site})
+    run_env["PATH"] = f"{slurm.bin_dir}:{run_env['PATH']}"  # the real sbatch, behind sites/sbatch
+    cmd = [str(ROOT / "sites" / "sbatch"), "--parsable", f"--output={output}", "--nodes=2",
+           job_file, *map(str, args)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.strip().split(";")[0]
+    start = time.monotonic()
+    fields, cancelled = slurm.wait(job_id, deadline)
+    return Job(id=job_id, command=f"SITE={site} sites/sbatch ... {job_file}", output=output,
+               state=fields.get("JobState", "UNKNOWN"), exit_code=fields.get("ExitCode", ""),
+               reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
+               elapsed=time.monotonic() - start, deadline=deadline, cancelled=cancelled,
+               fields=fields, daemon_log=slurm.daemon_lines(job_id)), proc.stderr
+
+
+@pytest.mark.parametrize("site", sorted(p.stem for p in (ROOT / "sites").glob("*.env")))
+def test_each_site_profile_trains_on_two_nodes_with_its_rendezvous_rule(slurm, site, tmp_path,
+                                                                        text_dir, job_env):
+    if not slurm.local:
+        pytest.skip("the rendezvous rule is checked against the local cluster's DNS")
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls"
+    for d in (bin_dir, calls):
+        d.mkdir()
+    for name, body in SITE_STANDINS.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    image = tmp_path / "course.sif"
+    image.write_text("")
+    out = tmp_path / "run"
+    env = {**job_env, "OUT_DIR": out, "NPROC_PER_NODE": PROCS_PER_NODE,
+           "SCRIPT": "solutions/train/to_distributed_training.py", "SITE_CALLS": calls,
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "SITE_PARTITION": "dc-gpu",
+           **SITE_FITS.get(site, {})}
+    if site == "lumi":
+        env.update(SITE_CONTAINER=image, SITE_APPTAINER=bin_dir / "apptainer",
+                   IMAGE_BIN=Path(sys.executable).parent)
+    job, submitted = sbatch_with_profile(
+        slurm, site, "solutions/to_distributed_training.sbatch", *SHORT_RUN, "--data-dir",
+        text_dir, "--out-dir", out, output=out / "job.out", env=env)
+    assert job.completed, job.describe()
+    log, why = job.log, job.describe()
+    nodes = slurm.hostnames(job.node_list)
+    assert f"site: {site} (" in log, why
+    assert "--partition=dc-gpu --gres=gpu:4" in submitted, submitted
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["world_size"] == 2 * PROCS_PER_NODE and summary["steps"] == 5, why
+    setups = job.setup_lines()
+    assert {s["host"] for s in setups} == set(nodes) and len(setups) == 4, why
+
+    # The rendezvous rule: JSC's sites use node 0's InfiniBand name <node>i, the others its name
+    suffix = {"jsc": "i", "jupiter": "i"}.get(site, "")
+    master = job.master_line()
+    assert master is not None and master["addr"] == slurm.addresses()[nodes[0] + suffix], why
+
+    if site == "lumi":  # every rank inside the image, after the profile's modules
+        ran = (calls / "apptainer").read_text().splitlines()
+        assert len(ran) == 2 and {line.split()[0] for line in ran} == set(nodes), ran
+        assert all(f" {image} torchrun " in line for line in ran), ran
+        assert "load singularity-AI-bindings" in (calls / "module").read_text()
+    else:
+        assert not (calls / "apptainer").exists()

@@ -51,29 +51,58 @@ def nvidia_driver() -> str | None:
     return versions[0] if proc.returncode == 0 and versions else None
 
 
+def amd_driver() -> str | None:
+    """The AMD GPU driver's version as rocm-smi shows it ("Driver version: 6.8.5"), or None on a
+    node without AMD GPUs."""
+    try:
+        proc = subprocess.run(["rocm-smi", "--showdriverversion"], capture_output=True, text=True,
+                              timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    found = re.search(r"[Dd]river version:\s*(\S+)", proc.stdout)
+    return found.group(1) if proc.returncode == 0 and found else None
+
+
+def gpu_driver() -> tuple[str, str] | None:
+    """("NVIDIA" or "AMD", the driver's version) of this node's GPUs, or None (a CPU node)."""
+    for vendor, read in (("NVIDIA", nvidia_driver), ("AMD", amd_driver)):
+        version = read()
+        if version:
+            return vendor, version
+    return None
+
+
 def gpu_lines(host: str) -> list[tuple]:
     import torch
-    driver = nvidia_driver()
+    found = gpu_driver()
     slurm_gpus = os.environ.get("SLURM_JOB_GPUS") or os.environ.get("CUDA_VISIBLE_DEVICES") or ""
     asked = int(os.environ.get("SLURM_GPUS_ON_NODE") or 0)
-    if driver is None:
+    if found is None:
         given = f"; Slurm gave it GPU devices {slurm_gpus}" if slurm_gpus else ""
-        why = f"no NVIDIA driver on this node (nvidia-smi): a CPU node{given}"
+        why = f"no GPU driver on this node (nvidia-smi, rocm-smi): a CPU node{given}"
         return [(NA, "CUDA, driver, NCCL", host, why), (NA, "GPUs visible", host, why)]
+    vendor, driver = found
+    # The GPU build torch has: CUDA for NVIDIA GPUs, ROCm (HIP) for AMD ones; both behind torch.cuda.
+    hip = getattr(torch.version, "hip", None)
+    built_for = torch.version.cuda if vendor == "NVIDIA" else hip
+    toolkit, variant = ("CUDA", "cuda") if vendor == "NVIDIA" else ("ROCm", "rocm")
     lines = []
-    if torch.version.cuda is None:
+    if built_for is None:
+        kind = "a CPU-only build" if not (torch.version.cuda or hip) else (
+            f"built for {'ROCm ' + hip if hip else 'CUDA ' + torch.version.cuda}")
         lines.append((FAIL, "CUDA, driver, NCCL", host,
-                      f"torch {torch.__version__} is a CPU-only build, on a node with NVIDIA "
-                      f"driver {driver}: make the environment with TORCH_VARIANT=cuda bash "
+                      f"torch {torch.__version__} is {kind}, on a node with {vendor} "
+                      f"driver {driver}: make the environment with TORCH_VARIANT={variant} bash "
                       "setup_env.sh"))
     else:
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "?"
         lines.append((PASS, "CUDA, driver, NCCL", host,
-                      f"CUDA {torch.version.cuda}, driver {driver}, NCCL {nccl}"))
-    n = torch.cuda.device_count() if torch.version.cuda else 0
+                      f"{toolkit} {built_for}, driver {driver}, {'NCCL' if hip is None else 'RCCL'} "
+                      f"{nccl}"))
+    n = torch.cuda.device_count() if built_for else 0
     if n == 0:
         lines.append((FAIL, "GPUs visible", host,
-                      f"torch sees no GPU (driver {driver}, CUDA {torch.version.cuda}, "
+                      f"torch sees no GPU (driver {driver}, {toolkit} {built_for}, "
                       f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): "
                       "a driver older than torch's CUDA needs another build (setup_env.sh with "
                       "TORCH_INDEX_URL, README 'Environment'); without --gres=gpu:N Slurm hides "

@@ -39,13 +39,13 @@ from torch.distributed.fsdp import fully_shard
 from model import get_config
 from model.transformerLM import LitTransformerLM
 from utils.args import base_parser, positive_int
-from utils.checks import claim_out_dir, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_a_loss_was_not_finite, stop_if_not_finite
 from utils.data import check_splits, load_corpus_or_exit
 from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slurm_gpus_are_unused
 from utils.launch import check_launch_environment
 from utils.lit_checkpoints import AtomicCheckpointIO, RandomStates, resume_path
 from utils.lit_data import WikiText2DataModule
-from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity,
+from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity, speed_text,
                            training_summary, write_summary)
 from utils.monitor import TrainingMonitor
 from utils.precision import compile_blocks, lightning_precision, set_precision
@@ -248,7 +248,9 @@ class CourseLog(Callback):
         self.loss_history.append(loss.detach().clone())
         self.throughput.step(batch[0].numel() * trainer.world_size)
         step = trainer.global_step
-        stop_if_not_finite(loss, step)  # before Lightning saves a checkpoint
+        stop_if_not_finite(loss, step)  # (on a GPU read at log steps: reading waits for it)
+        if self.args.checkpoint_every and step % self.args.checkpoint_every == 0:
+            stop_if_a_loss_was_not_finite()  # before Lightning saves this step's checkpoint
         if step % self.log_every == 0:
             print0(f"epoch {trainer.current_epoch} {self.monitor.report(step, loss)}")
         self.batch_end = time.perf_counter()
@@ -380,7 +382,7 @@ def main():
         devices=trainer.num_devices, best_checkpoint=checkpoints.best_model_path,
         memory=course_log.monitor.memory)  # the breakdown after the first step (utils/memory.py)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{speed_text(summary)}")
     write_summary(out_dir, summary)
     course_log.monitor.close(summary)
     # Lightning would destroy the process group at exit; doing it here, after freeing the wrapped

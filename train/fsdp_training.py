@@ -36,7 +36,7 @@ from utils.args import base_parser
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
 from utils.metrics import (Throughput, flops_per_token, model_state_bytes, peak_memory_bytes,
-                           perplexity, training_summary, write_summary)
+                           perplexity, speed_text, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.distributed_utils import checkpoint_blocking_seconds, use_async_checkpoint_saves
 from utils.precision import autocast, compile_blocks, set_precision
@@ -44,10 +44,11 @@ from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      gather_per_rank, print0, setup)
-# TODO 17: Import FSDP2's fully_shard and MixedPrecisionPolicy (from torch.distributed.fsdp), the
-# checkpoint helpers save_sharded_model, load_sharded_model and save_full_model (from
-# utils.distributed_utils), and the resume bookkeeping resume_checkpoint and resume_position
-# (from utils.checkpointing). DDP and save0 are no longer needed.
+# TODO 17: Import FSDP2's fully_shard, MixedPrecisionPolicy and FSDPModule (the class every
+# sharded module becomes) from torch.distributed.fsdp, the checkpoint helpers
+# save_sharded_model, load_sharded_model and save_full_model (from utils.distributed_utils), and
+# the resume bookkeeping resume_checkpoint and resume_position (from utils.checkpointing). DDP
+# and save0 are no longer needed.
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
 
@@ -219,7 +220,7 @@ def main():
         memory=monitor.memory,  # the breakdown after the first step (utils/memory.py)
         checkpoint_save_blocking_s=checkpoint_blocking_seconds(), async_save=args.async_save)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{speed_text(summary)}")
     print0("memory per rank (MiB): weights+gradients+optimizer "
            f"{' '.join(f'{b / 2**20:.1f}' for b in state_bytes)}; "
            f"peak {' '.join(f'{b / 2**20:.0f}' for b in peak_bytes)}")
@@ -250,9 +251,10 @@ def evaluate(model, loader, device):
         tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets
     # Each rank saw only its share of the split: sum loss and token counts before dividing.
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
-    # TODO 19: FSDP frees the root unit's gathered weights only after backward, and evaluation
-    # has none: reshard the model here, or the full embeddings and output layer stay on every
-    # rank.
+    # TODO 19: FSDP frees a unit's gathered weights after backward (the root's, and with
+    # --reshard-after-forward false every block's), and evaluation has none: reshard them here,
+    # or the full weights stay on every rank. reshard() is a method of each unit (an FSDPModule)
+    # and does not reach the units inside it.
     model.train()
     return (loss_sum / tokens).item()
 

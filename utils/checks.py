@@ -7,6 +7,7 @@ only one of them prints the line.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import shutil
@@ -25,7 +26,24 @@ def _stop(message: str, printer: bool) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
     if dist.is_initialized():  # every rank stops here: leave the group (or gloo aborts at exit)
         dist.destroy_process_group()
+        _exit_without_teardown(1)
     sys.exit(1)
+
+
+def _exit_without_teardown(status: int) -> None:
+    """Exit as sys.exit would, but skip the interpreter's teardown of live objects.
+
+    Stopping mid-training leaves DDP's reducer alive, holding the gloo process group; Python's
+    teardown frees it while holding the GIL, and the group's destructor joins its worker thread,
+    which may still be letting go of the last all-reduce's tensors and needs the GIL for that:
+    a deadlock, and the run hangs after its error line (1 in about 50 diverging runs on a busy
+    2-core machine, stacks taken with py-spy and gdb). The exit handlers still run (the run lock
+    is released), and the output is flushed.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def stop_on_every_rank(message: str) -> None:
@@ -34,16 +52,53 @@ def stop_on_every_rank(message: str) -> None:
     _stop(message, get_rank() == 0)
 
 
+# Losses on a GPU that stop_if_not_finite has not read yet: (step, loss, what)
+_unread: list[tuple[int, torch.Tensor, str]] = []
+UNREAD_LIMIT = 1000  # read them at the latest every this many steps
+
+
+def _on_gpu(loss) -> bool:
+    return isinstance(loss, torch.Tensor) and loss.device.type != "cpu"
+
+
 def stop_if_not_finite(loss, step: int, what: str = "training loss") -> None:
     """Stop the run when `loss` is NaN or infinite, before anything is saved over a good file.
 
     Give it a loss that is the same on every rank (the all-reduced one), so all ranks stop at
-    the same step. Reading the value waits for the step to finish (one sync per step).
+    the same step. Reading a GPU tensor waits for the GPU, so a loss on a GPU is kept and read
+    later, all unread ones at once: at the next log step (TrainingMonitor.report), before
+    every save (save0, save_full_model, save_sharded_model, atomic_folder) and before a
+    validation loss is checked. The error line still names the first step that diverged. On a
+    CPU reading is free, and the check is immediate.
     """
+    if _on_gpu(loss):
+        _unread.append((step, loss.detach(), what))
+        if len(_unread) >= UNREAD_LIMIT:
+            stop_if_a_loss_was_not_finite()
+        return
+    stop_if_a_loss_was_not_finite()
     value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
     if not math.isfinite(value):
-        _stop(f"the {what} is {value} at step {step}: training diverged; stopping before "
-              "anything is saved over earlier files: lower --lr", get_rank() == 0)
+        _diverged(what, value, step)
+
+
+def stop_if_a_loss_was_not_finite() -> None:
+    """Read the losses stop_if_not_finite kept on the GPU (one wait for all), and stop at the
+    first that is not finite. Call it on every rank at the same points (the losses are the same
+    on every rank, so every rank decides alike)."""
+    if not _unread:
+        return
+    pending = list(_unread)
+    _unread.clear()
+    finite = torch.isfinite(torch.stack([loss.reshape(()).float() for _, loss, _ in pending]))
+    for (step, loss, what), ok in zip(pending, finite.tolist()):
+        if not ok:
+            _diverged(what, float(loss), step)
+
+
+def _diverged(what: str, value: float, step: int) -> None:
+    _stop(f"the {what} is {value} at step {step}: training diverged; stopping before "
+          "anything is saved over earlier files: lower --lr", get_rank() == 0)
 
 
 def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:

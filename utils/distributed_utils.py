@@ -6,8 +6,11 @@ Every function works under torchrun (one process per GPU or CPU slot) and in a p
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import io
 import json
+import logging
 import os
 import shutil
 import socket
@@ -22,11 +25,14 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.stateful import Stateful
 
-from utils.files import atomic_torch_save
+from utils.files import (atomic_torch_save, crc32_file, disk_full_message, fsync_folder,
+                         is_disk_full, write_synced)
 from utils.launch import (WaitReporter, check_launch_environment, dist_timeout,
                           rendezvous_store, warn_about_torchrun_restarts)
+from utils.rng import rng_states, set_rng_states
 
 # A crashed or stuck rank makes the others fail after this long instead of hanging for the
 # default 10 (NCCL) or 30 (gloo) minutes. Raise it with DIST_TIMEOUT_MINUTES for huge checkpoints.
@@ -42,7 +48,7 @@ def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     """
     if device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda was asked for, but torch sees no usable GPU here: "
-                 "run on a GPU node with a CUDA build of torch, or leave out --device")
+                 "run on a GPU node with a CUDA (or ROCm) build of torch, or leave out --device")
     if device in ("auto", "cuda") and torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if local_rank >= visible:
@@ -67,11 +73,17 @@ def warn_if_slurm_gpus_are_unused() -> None:
     gpus = os.environ.get("SLURM_JOB_GPUS")
     if not gpus or torch.cuda.is_available():
         return
-    why = ("a CPU-only build" if torch.version.cuda is None
-           else f"built for CUDA {torch.version.cuda}: is the driver older?")
+    # A ROCm build (AMD GPUs) has torch.version.hip where a CUDA build has torch.version.cuda.
+    hip = getattr(torch.version, "hip", None)
+    if hip:
+        why, variant = f"built for ROCm {hip}: is the driver older?", "rocm"
+    elif torch.version.cuda:
+        why, variant = f"built for CUDA {torch.version.cuda}: is the driver older?", "cuda"
+    else:
+        why, variant = "a CPU-only build", "cuda"
     print(f"WARNING: Slurm gave this job GPUs ({gpus}), but torch {torch.__version__} cannot "
           f"use them ({why}): training on the CPU. For the GPUs, make the environment with "
-          "TORCH_VARIANT=cuda bash setup_env.sh; to train on the CPU on purpose, pass "
+          f"TORCH_VARIANT={variant} bash setup_env.sh; to train on the CPU on purpose, pass "
           "--device cpu", file=sys.stderr, flush=True)
 
 
@@ -136,6 +148,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
+def _no_diverged_loss_unread() -> None:
+    """Before a save: stop if a loss kept on the GPU was NaN (utils/checks.py)."""
+    from utils.checks import stop_if_a_loss_was_not_finite  # (checks imports this module)
+    stop_if_a_loss_was_not_finite()
+
+
 def save0(model_or_state_dict, path: str | os.PathLike) -> None:
     """Save a state dict on the root process only.
 
@@ -143,6 +161,7 @@ def save0(model_or_state_dict, path: str | os.PathLike) -> None:
     loads with torch.load(weights_only=True) into a fresh, unwrapped model. Pickling the module
     itself would tie the file to this code and to DDP.
     """
+    _no_diverged_loss_unread()
     state = model_or_state_dict
     if isinstance(state, nn.Module):
         state = unwrap(state).state_dict()
@@ -203,14 +222,6 @@ def destroy_process_group() -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints of sharded models (FSDP, tensor parallelism): Distributed Checkpoint (DCP)
-
-# (imports of this section only)
-import contextlib  # noqa: E402
-from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
-import io  # noqa: E402
-from utils.files import (crc32_file, disk_full_message, fsync_folder, is_disk_full,  # noqa: E402
-                         write_synced)
-from utils.rng import rng_states, set_rng_states  # noqa: E402
 
 TRAIN_STATE_FILE = "train_state.json"
 MANIFEST = "manifest.json"  # the completion marker of a checkpoint folder: its files and CRC-32s
@@ -318,6 +329,7 @@ def atomic_folder(path: str | os.PathLike, expected_bytes=None):
     raise CheckpointError with one line (a full disk: the space to free, estimated by
     `expected_bytes`, a function called on every rank) and .NAME.partial is deleted.
     """
+    _no_diverged_loss_unread()
     path = Path(path)
     partial = _open_partial(path, expected_bytes)
     error = None
@@ -694,6 +706,27 @@ def _restore_rng_states(path: Path) -> None:
     set_rng_states(torch.load(saved[rank], weights_only=True))
 
 
+class _SequentialGathers(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("While redistributing") and "all_gather" in message)
+
+
+@contextlib.contextmanager
+def quiet_sequential_gathers():
+    """Leave out DTensor's warning that a weight sharded over two mesh dimensions (TP x FSDP)
+    is gathered by two all_gathers in a row, which "may give inconsistent results between
+    ranks due to different reduction orders": a gather adds nothing up, so for it that cannot
+    happen (docs/tp.md). Other warnings of DTensor still show."""
+    quiet = _SequentialGathers()
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    log.addFilter(quiet)
+    try:
+        yield
+    finally:
+        log.removeFilter(quiet)
+
+
 def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
     """Gather the full weights on rank 0 (into CPU memory) and write one ordinary state_dict.
 
@@ -702,8 +735,10 @@ def save_full_model(model: nn.Module, path: str | os.PathLike) -> None:
     for inference or sharing. cpu_offload keeps the full model out of GPU memory; the other
     ranks receive an empty dict.
     """
+    _no_diverged_loss_unread()
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
+    with quiet_sequential_gathers():
+        state = get_model_state_dict(model, options=options)
     if is_root_process():
         atomic_torch_save(state, path)
     barrier()

@@ -43,6 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from utils.checks import stop_if_a_loss_was_not_finite
 from utils.distributed_utils import collective_device, get_rank, get_world_size
 from utils.memory import CATEGORIES, ActivationCounter, breakdown, format_breakdown, infer_layout
 from utils.metrics import GradNorm, MetricLogger, final_results, peak_flops, perplexity
@@ -220,6 +221,7 @@ class TrainingMonitor:
 
         `bubble`: a pipeline's idle share of every step so far (StageBusyTimer.idle_fraction).
         """
+        stop_if_a_loss_was_not_finite()  # the losses kept on the GPU since the last report
         self.throughput.lap()  # synchronizes: the interval's time is the GPU's, not the queue's
         t = self.throughput
         # the interval: timed steps only (the first after a start or a pause only starts the clock)

@@ -2,7 +2,7 @@
 
 Every rank samples its own process (CPU use and resident memory, with psutil) and, on a GPU, its
 own GPU (utilisation, memory used, power, temperature, with NVML from the `nvidia-ml-py`
-package). The training monitor (utils/monitor.py) gathers the means of all ranks at each log
+package; on an AMD GPU with ROCm's `amdsmi` package, behind the same few NVML calls). The training monitor (utils/monitor.py) gathers the means of all ranks at each log
 step, so TensorBoard and wandb get one curve per node and GPU. The CPU path runs in CI, the GPU
 path wherever there is one: the same code, only the source of the numbers differs.
 
@@ -44,6 +44,68 @@ def _import_nvml():
     import pynvml  # the nvidia-ml-py package
     pynvml.nvmlInit()
     return pynvml
+
+
+class AmdSmiAsNvml:
+    """The NVML calls SystemSampler makes, answered by AMD SMI (`amdsmi`, the Python package that
+    comes with ROCm: rocm-smi's library). A handle is (amdsmi's handle, its index on the node)."""
+
+    NVML_TEMPERATURE_GPU = 0
+
+    def __init__(self, amdsmi):
+        self.smi = amdsmi
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        class Rates:
+            gpu = self.smi.amdsmi_get_gpu_activity(h[0])["gfx_activity"]
+        return Rates()
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        class Memory:
+            used = self.smi.amdsmi_get_gpu_memory_usage(h[0], self.smi.AmdSmiMemoryType.VRAM)
+        return Memory()
+
+    def nvmlDeviceGetPowerUsage(self, h):  # milliwatts, as NVML's; AMD SMI says watts
+        power = self.smi.amdsmi_get_power_info(h[0])
+        watts = power.get("current_socket_power")
+        if not isinstance(watts, (int, float)):  # "N/A" on MI250X: the average is there
+            watts = power["average_socket_power"]
+        return float(watts) * 1000.0
+
+    def nvmlDeviceGetTemperature(self, h, sensor):
+        return self.smi.amdsmi_get_temp_metric(h[0], self.smi.AmdSmiTemperatureType.HOTSPOT,
+                                               self.smi.AmdSmiTemperatureMetric.CURRENT)
+
+    def nvmlDeviceGetIndex(self, h):
+        return h[1]
+
+
+def amdsmi_handle(device, smi: AmdSmiAsNvml | None = None):
+    """(AMD SMI's handle, its index) of the GPU torch calls `device` on a ROCm build, or None.
+
+    By PCI address (domain:bus:device), for the same reason as NVML's by UUID: torch counts the
+    visible GPUs only, AMD SMI all of the node's.
+    """
+    import torch
+    if device.type != "cuda" or not getattr(torch.version, "hip", None):
+        return None
+    try:
+        smi = smi or _import_amdsmi()
+        p = torch.cuda.get_device_properties(device)
+        mine = (p.pci_domain_id, p.pci_bus_id, p.pci_device_id)
+        for i, h in enumerate(smi.smi.amdsmi_get_processor_handles()):
+            domain, bus, rest = smi.smi.amdsmi_get_gpu_device_bdf(h).split(":")
+            if (int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)) == mine:
+                return (h, i)
+    except Exception:  # no amdsmi package or library, an old ROCm: GPU values stay NaN
+        pass
+    return None
+
+
+def _import_amdsmi() -> AmdSmiAsNvml:
+    import amdsmi  # ROCm's package (share/amd_smi in a ROCm installation, in ROCm's images)
+    amdsmi.amdsmi_init()
+    return AmdSmiAsNvml(amdsmi)
 
 
 def nvml_index(handle, nvml) -> int:
@@ -115,9 +177,14 @@ def start_sampler(device, seconds: float = SAMPLE_SECONDS) -> tuple[SystemSample
     nvml = None
     handle = None
     if device.type == "cuda":
+        import torch
         try:
-            nvml = _import_nvml()
-            handle = nvml_handle(device, nvml)
+            if getattr(torch.version, "hip", None):  # an AMD GPU: AMD SMI answers NVML's calls
+                nvml = _import_amdsmi()
+                handle = amdsmi_handle(device, nvml)
+            else:
+                nvml = _import_nvml()
+                handle = nvml_handle(device, nvml)
         except Exception:
             nvml = handle = None
     return SystemSampler(handle, nvml, seconds), nvml_index(handle, nvml)

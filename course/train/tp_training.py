@@ -32,7 +32,8 @@ from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int
 from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
-from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.metrics import (Throughput, flops_per_token, perplexity, speed_text, training_summary,
+                           write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 from torch.distributed.tensor import DTensor
@@ -309,7 +310,7 @@ def main():
         params_per_rank=local_params, memory=monitor.memory)
     #| end
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{speed_text(summary)}")
     # TODO 32: save_full_model
     #| exercise
     save0(model, out_dir / "final_model.pt")

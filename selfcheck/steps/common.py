@@ -104,7 +104,8 @@ KNOWN_CAUSES = [
      "a plain tensor met a DTensor: the loss over split logits needs loss_parallel(), and a "
      "DTensor result needs .full_tensor() before plain tensor code uses it"),
     (r"save0 got sharded",
-     "save0 cannot save sharded weights: use save_full_model (or a DCP save)"),
+     "no rank holds the whole model any more: save_full_model, called on every rank, gathers "
+     "it into one file (or a DCP save writes every rank's shards)"),
     (r"Default process group has not been initialized|process group has not been initialized",
      "a collective before setup(): call setup() first"),
     (r"unrecognized arguments",

@@ -38,6 +38,7 @@ def check(ctx) -> None:
     run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES, eval_probe=True,
               extra=["--reshard-after-forward", "true"], optional=OPTIONAL)
     stop = Run(ctx.work, "stopped", ctx.script, BATCH, geometry=TWO_NODES, optional=OPTIONAL,
+               eval_probe=True,
                extra=["--max-steps", str(STOP_AT), "--checkpoint-every", str(CHECKPOINT_EVERY),
                       "--reshard-after-forward", "false"])
     run.wait(), stop.wait()
@@ -63,7 +64,7 @@ def check(ctx) -> None:
     if sharded:  # (the DDP script as shipped trains right: nothing to say about it here)
         check_losses(ctx, run, ref, 18)
         check_eval_exact(ctx, run, 19, "evaluate like the DDP step (all_reduce_sum of loss_sum "
-                         "and tokens), then model.reshard()")
+                         "and tokens), then reshard every FSDP unit")
     check_checkpoints(ctx, run, stop)
     check_resume(ctx, stop, resumed, ref)
     if calls(run, "save_full_model"):
@@ -140,9 +141,15 @@ def check_sharding(ctx, run, stop, ref) -> None:
         rep.ok(19, "apply_fsdp replaced DDP (the memory per rank is not measured: the run "
                "stopped)")
     evals = r0.get("evals", [])
+    kept = [e for e in (stop.ranks[0] or {}).get("evals", []) if not e["resharded"]]
     if evals and not all(e["resharded"] for e in evals):
         rep.fail(19, "after evaluate() the root's full weights stay gathered on every rank: "
-                 "call model.reshard() at the end of evaluate()")
+                 "reshard at the end of evaluate(), unit.reshard() for every FSDPModule in "
+                 "model.modules()")
+    elif kept:
+        rep.fail(19, "with --reshard-after-forward false, the blocks' full weights stay "
+                 "gathered after evaluate(): reshard() is per FSDP unit and does not reach the "
+                 "units inside it; call it on every FSDPModule in model.modules()")
 
 
 def start_resume(ctx, stop):
@@ -299,7 +306,8 @@ def check_resume(ctx, stop, resumed, ref) -> None:
 
 HINTS = {
     17: ("FSDP2 replaces DDP, and sharded checkpoints replace save0: import the new pieces.",
-         "fully_shard and MixedPrecisionPolicy from torch.distributed.fsdp; save_sharded_model, "
+         "fully_shard, MixedPrecisionPolicy and FSDPModule from torch.distributed.fsdp; "
+         "save_sharded_model, "
          "load_sharded_model and save_full_model from utils.distributed_utils; "
          "resume_checkpoint and resume_position from utils.checkpointing."),
     18: ("Each call of fully_shard makes one FSDP unit: its parameters are split over the ranks "
@@ -310,11 +318,11 @@ HINTS = {
          "model.layers.values(), then fully_shard(model, ...); and a "
          "--reshard-after-forward {true,false} option."),
     19: ("The model is sharded instead of replicated, and the optimizer must be made from the "
-         "sharded parameters. Evaluation gathers the root's weights and has no backward to "
-         "free them again.",
+         "sharded parameters. Evaluation gathers the weights (the root's, and with "
+         "--reshard-after-forward false every block's) and has no backward to free them again.",
          "model = apply_fsdp(model, args.precision, args.reshard_after_forward == 'true') in "
-         "place of the DDP line (the optimizer comes after it); model.reshard() at the end of "
-         "evaluate()."),
+         "place of the DDP line (the optimizer comes after it); at the end of evaluate(): "
+         "for unit in model.modules(): if isinstance(unit, FSDPModule): unit.reshard()."),
     20: ("No rank holds the whole model any more: every rank writes its own shards into one "
          "checkpoint folder, together with what a resumed run needs to continue.",
          "save_sharded_model(model, optimizer, folder, train_state) on every rank; train_state "

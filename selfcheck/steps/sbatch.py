@@ -215,13 +215,15 @@ def check_rendezvous(ctx, two, one) -> None:
 HINTS = {
     12: ("DDP needs every GPU of a node: ask Slurm for all of them, and let every process see "
          "them all (torchrun gives each process one by its local rank).",
-         "#SBATCH --gres=gpu:4 in the header; export CUDA_VISIBLE_DEVICES=0,1,2,3 in the body."),
+         "#SBATCH --gres=gpu:4 in the header; export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS in the "
+         "body (the site profile's list of all of a node's GPUs: 0,1,2,3 with 4)."),
     13: ("All nodes must meet at one address: the first node of the job. On JSC systems its "
          "InfiniBand interface has its own name, the node name with an i at the end; elsewhere "
          "there is none and the plain name is the address.",
          "scontrol show hostnames \"$SLURM_JOB_NODELIST\" lists the nodes (take the first line "
-         "without stopping the reader early: sed -n 1p); nslookup \"<name>i\" gives the address "
-         "if the name exists; export MASTER_ADDR."),
+         "without stopping the reader early: sed -n 1p); nslookup \"<name>${SITE_IB_SUFFIX}\" "
+         "gives the address if the name exists (awk takes the first Address: line); export "
+         "MASTER_ADDR."),
     14: ("Two jobs on one node must not use the same port, so derive it from the job id.",
          "export MASTER_PORT with a number between 1024 and 65535 computed from $SLURM_JOB_ID, "
          "and echo both variables for the job's log."),

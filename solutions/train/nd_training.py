@@ -47,7 +47,7 @@ from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, chec
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, atomic_folder,
                                      destroy_process_group, print0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
-                           pipeline_bubble_fraction, training_summary, write_summary)
+                           pipeline_bubble_fraction, speed_text, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 
@@ -269,7 +269,7 @@ def main():
         idle_fraction_per_rank=idle.tolist(), bubble_fraction_theory=bubble,
         memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{speed_text(summary)}")
     # Every rank writes its shards of its stage; the folder loads into the unsplit model, or into
     # any other layout (DCP reshards when loading). It appears only once every rank is done.
     with atomic_folder(out_dir / "final_model") as folder:

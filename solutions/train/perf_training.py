@@ -38,7 +38,8 @@ from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, chec
                         load_corpus_or_exit)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
-from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.metrics import (Throughput, flops_per_token, peak_memory_text, perplexity, speed_text,
+                           training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import set_precision
 # DONE 41: Import what measuring, profiling and the fixes need: from utils/metrics.py,
@@ -95,7 +96,9 @@ def make_profiler(out_dir: Path, rank: int, device: torch.device, steps_availabl
 
 # DONE 44: Named ranges for the phases of a step. record_function puts them into the
 # profiler's trace; on a GPU, NVTX ranges put them into an Nsight Systems timeline (nsys), next
-# to the kernels and NCCL calls they launched. On a CPU there is no NVTX: only the first.
+# to the kernels and NCCL calls they launched. (On an AMD GPU the ROCm build of PyTorch sends
+# the same torch.cuda.nvtx calls to ROCTX, which rocprofv3 --marker-trace records.) On a CPU
+# there is no NVTX: only the first.
 def annotate(name: str, device: torch.device):
     ranges = contextlib.ExitStack()
     ranges.enter_context(record_function(name))
@@ -256,8 +259,7 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         compile=args.compile, memory=monitor.memory)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%} "
-           f"({summary['precision']}), peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
+           f"{speed_text(summary)} ({summary['precision']}), {peak_memory_text(summary, device)}")
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
     monitor.close(summary)

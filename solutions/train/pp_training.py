@@ -44,7 +44,7 @@ from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, chec
 from utils.distributed_utils import (all_reduce_sum, atomic_folder, destroy_process_group,
                                      print0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
-                           pipeline_bubble_fraction, training_summary, write_summary)
+                           pipeline_bubble_fraction, speed_text, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 
@@ -278,7 +278,7 @@ def main():
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         params_per_rank=local_params, memory=monitor.memory, **pipeline)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
+           f"{speed_text(summary)}")
     # DONE 39: Distributed Checkpoint, into out_dir / "final_model"
     with atomic_folder(out_dir / "final_model") as folder:
         dcp.save(model.state_dict(), checkpoint_id=folder)

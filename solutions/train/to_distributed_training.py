@@ -26,7 +26,8 @@ from model import TransformerLM, get_config
 from utils.args import base_parser
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
-from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
+from utils.metrics import (Throughput, flops_per_token, peak_memory_text, perplexity, speed_text,
+                           training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, compile_blocks, set_precision
 # DONE 1: Import what DDP needs: DistributedDataParallel (as DDP) from torch.nn.parallel,
@@ -161,8 +162,8 @@ def main():
         memory=monitor.memory)  # the breakdown after the first step (utils/memory.py)
     # DONE 9: print0
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}, "
-           f"peak memory {summary['peak_mem_bytes'] / 2**20:.0f} MiB")
+           f"{speed_text(summary)}, "
+           f"{peak_memory_text(summary, device)}")
     # DONE 10: save0
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary)
