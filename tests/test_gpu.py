@@ -275,3 +275,16 @@ def test_the_sampler_finds_this_processs_gpu_in_nvml():
     # in a fresh process: this one hides the GPUs (conftest.py)
     (index, values), = run_distributed(sample_own_gpu, 1, device="cuda")
     assert index >= 0 and values["gpu_memory_gib"] > 0 and values["gpu_temperature_c"] > 0
+
+
+def test_the_memory_breakdown_on_one_gpu_matches_the_formula_and_fits_under_the_allocator_peak(
+        tmp_path, data_cache):
+    """The GPU-only part of the breakdown: the allocator's peak and reserved bytes, next to the
+    tensors counted by category (which must still equal the formula on a GPU, in fp32)."""
+    summary = run("solutions/train/to_distributed_training.py", tmp_path, "--max-steps", 3,
+                  "--batch-size", 8, cache=data_cache)
+    memory = summary["memory"]
+    for category in ("parameters", "gradients", "optimizer", "activations"):
+        assert memory[category][0] == pytest.approx(memory["formula"][category][0], rel=0.1)
+    # the allocator holds at least the counted tensors at its peak, and reserves at least that
+    assert memory["total"][0] <= memory["peak"][0] <= memory["reserved"][0]
