@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
@@ -242,8 +242,11 @@ def evaluate(model, loader, device):
         tokens += (y != IGNORE_INDEX).sum()
     loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)
     model.train()
-    if hasattr(model, "reshard"):  # FSDP: free the root's gathered weights (evaluation has no backward)
-        model.reshard()
+    # FSDP: free the gathered weights (evaluation has no backward), every unit's: reshard() is
+    # per unit, and zero2 keeps the blocks' weights after forward too
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
     return (loss_sum / tokens).item()
 
 
