@@ -274,7 +274,8 @@ MISTAKES = [
      [("throughput.step(x.numel() * dp_size)", "throughput.step(x.numel() * world_size)")]),
     ("tp", TP, "the summary without the TP sizes", 31,
      [("        data_parallel_size=dp_size, tensor_parallel_size=args.tp,\n"
-       "        params_per_rank=local_params)", "        params_per_rank=local_params)")]),
+       "        params_per_rank=local_params, memory=monitor.memory)",
+       "        params_per_rank=local_params, memory=monitor.memory)")]),
     ("tp", TP, "save0 of the TP model", 32,  # save0 as the exercise had it, and imports
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    save0(model, out_dir / "final_model.pt")'),

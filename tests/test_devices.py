@@ -93,7 +93,7 @@ def test_every_tensor_the_course_scripts_create_names_its_device():
     # The rule for the scripts is simple: every tensor they create says where. (The exercises
     # and solutions are generated from course/train/, whose mixed blocks are not Python.)
     scripts = sorted((ROOT / "train").glob("*.py")) + sorted((ROOT / "solutions" / "train").glob("*.py"))
-    assert len(scripts) == 16  # six steps, Lightning and the collectives lesson, both versions
+    assert len(scripts) == 18  # seven steps, Lightning and the collectives lesson, both versions
     missing = [hit for path in scripts for hit in tensor_factories_without_device(path)]
     assert missing == [], "add device=device to:\n" + "\n".join(missing)
 
