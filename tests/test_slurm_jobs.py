@@ -432,7 +432,8 @@ def test_the_collectives_job_measures_one_node_then_two_and_runs_the_lesson_on_t
     assert lesson["fit_source"].endswith("two_nodes.json (4 ranks)"), why
     assert lesson["trace_s"] > 0 and "ms of all-reduce per step" in log, why
     # two CPU processes per node on a shared CI machine: the times may not grow with the size
-    assert (lesson["predicted_s"] > 0 and "x the prediction" in log) or (
+    # (no prediction: NaN, which summary.json writes as null)
+    assert ((lesson["predicted_s"] or 0) > 0 and "x the prediction" in log) or (
         "the times do not grow with the message size" in log), why
 
 
