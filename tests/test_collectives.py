@@ -135,6 +135,8 @@ for preset, vocab in (("tiny", 33278), ("small", 3000)):
     del ddp  # free the reducer while the group exists (at exit it aborted now and then)
 if dist.get_rank() == 0:
     print(json.dumps(found))
+import gc; gc.collect()  # every reducer freed, then every rank done, before leaving the group
+dist.barrier()
 dist.destroy_process_group()
 """)
     proc = run_script(str(probe), nproc=2, timeout=180)
