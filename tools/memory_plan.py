@@ -20,7 +20,6 @@ layers wide) for the activations; --preset uses the course's exact shape.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -29,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.transformer import PRESETS, ModelConfig  # noqa: E402
 from utils.memory import CATEGORIES, Layout, param_counts, predict  # noqa: E402
+from utils.files import atomic_write_json  # noqa: E402
 
 GiB = 2**30
 # the share of a GPU's memory the tensors may use: the CUDA context, the allocator's cache and
@@ -139,7 +139,10 @@ def main(argv=None) -> None:
                   params=args.params)
     print(render(result))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        try:  # whole or not at all, and valid JSON (NaN as null)
+            atomic_write_json(args.json, result)
+        except OSError as e:
+            p.error(f"--json {args.json}: cannot write it ({e.strerror}): give a writable path")
 
 
 if __name__ == "__main__":
