@@ -64,6 +64,8 @@ CASES = [
     # the performance step: one process on one GPU (here the CPU: --precision auto is fp32)
     SbatchCase("solutions/perf_training.sbatch", nodes=1, world_size=1),
     SbatchCase("solutions/nd_training.sbatch", nodes=2, world_size=4),
+    # the memory step: one node
+    SbatchCase("solutions/memory_training.sbatch", nodes=1, world_size=2),
 ]
 
 
