@@ -4,6 +4,8 @@ either schedule, and their Distributed Checkpoint loads into the unsplit model."
 from __future__ import annotations
 
 import importlib.util
+import math
+import os
 import sys
 import warnings
 
@@ -111,3 +113,47 @@ def test_microbatches_that_do_not_divide_the_batch_stop_with_one_clear_line(tmp_
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "--microbatches 3" in last
     assert "Traceback" not in proc.stderr
+
+
+REHEARSAL = ROOT / "tests" / "rehearsal"
+
+
+@pytest.mark.parametrize("script, layout", [
+    ("solutions/train/pp_training.py", ()),
+    ("solutions/train/nd_training.py", ("--pp", 2, "--microbatches", 2)),
+])
+def test_under_bf16_every_stage_evaluates_in_the_dtypes_it_trained_in(script, layout, tmp_path,
+                                                                      data_cache):
+    # torch 2.11 (on the GPU nodes) checks at every step that a stage sends the shapes and
+    # dtypes of its first step; evaluating outside the training's autocast sent float32 logits
+    # where training sent bfloat16, and the first validation crashed. tests/rehearsal makes the
+    # CPU run check the same.
+    env = script_env(cache_dir=data_cache, REHEARSE_STRICT_STAGES=1,
+                     PYTHONPATH=os.pathsep.join([str(REHEARSAL), str(ROOT)]))
+    proc = run_script(script, *RUN_ARGS[:-4], "--max-steps", 2, "--precision", "bf16",
+                      *layout, "--out-dir", tmp_path, nproc=2, env=env, timeout=240, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["precision"] == "bf16" and summary["pipeline_stages"] == 2
+    assert all(math.isfinite(v) for v in (summary["val_loss"], summary["test_loss"]))
+
+
+def test_the_rehearsal_stops_a_stage_whose_outputs_change_dtype_as_torch_2_11_does():
+    """The check above can fail: a stage that trained in bf16 and evaluates in fp32 is stopped."""
+    spec = importlib.util.spec_from_file_location("rehearsal", REHEARSAL / "sitecustomize.py")
+    rehearsal = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rehearsal)  # its switches are off here: it only defines things
+    module = torch.nn.Linear(4, 4)
+    seen = {}
+
+    def stage_init(self, submodule, stage_index, *args, **kwargs):
+        seen["stage"] = stage_index
+
+    init = rehearsal._check_stage_outputs(stage_init)
+    init(object(), module, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        module(torch.randn(2, 4))
+    with pytest.raises(rehearsal.PipeliningShapeError,
+                       match="Stage 1 forward outputs: value 0 has a dtype mismatch: "
+                             "expected torch.bfloat16 actual torch.float32"):
+        module(torch.randn(2, 4))

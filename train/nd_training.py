@@ -243,7 +243,7 @@ def main():
                 print0(f"epoch {epoch} {monitor.report(step, step_loss, idle_history)}")
         throughput.pause()  # evaluation time is not training time
         val_loss = evaluate(model, val_loader, device, stage, eval_schedule, dp_group,
-                            pp_group, last_stage)
+                            pp_group, last_stage, args.precision)
         stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
         monitor.log_epoch(step, val_loss)
@@ -252,7 +252,7 @@ def main():
 
     # ---- evaluation, saving, summary ----
     test_loss = evaluate(model, test_loader, device, stage, eval_schedule, dp_group, pp_group,
-                         last_stage)
+                         last_stage, args.precision)
     idle = torch.tensor(idle_history[1:] or idle_history, device=device).median().item()
     idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
                                        device=device))
@@ -289,8 +289,9 @@ def report_from_last_stage(value, device, dp_group, pp_group, last_stage):
 
 
 @torch.no_grad()
-def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_stage):
-    """Token-weighted mean loss over a whole split, through the pipeline (forward only)."""
+def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_stage, precision):
+    """Token-weighted mean loss over a whole split, through the pipeline (forward only), under
+    the training's autocast: every stage fixed the dtypes it sends at its first training step."""
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
@@ -301,7 +302,7 @@ def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_st
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
         losses = []
-        with loss_parallel():
+        with loss_parallel(), autocast(precision, device):
             schedule.eval(*((x,) if stage.is_first else ()),
                           target=y if stage.is_last else None, losses=losses)
         if losses:

@@ -270,12 +270,15 @@ def main():
     destroy_process_group()
 
 
-# TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule), called
-# with eval_schedule. Its forward-only schedule.eval(...) takes the same arguments as
-# schedule.step; the last stage sums the losses of the microbatches. A pipeline's buffers have a
-# fixed shape: fill a short last batch up to loader.batch_size with padding samples (tokens 0,
-# targets IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast
-# the loss sum from the last rank (the token count is the same on every stage).
+# TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule,
+# precision), called with eval_schedule and args.precision. Its forward-only schedule.eval(...)
+# takes the same arguments as schedule.step and runs under the same autocast: at its first step
+# every stage fixed the shapes and dtypes it sends and receives, and a stage that sends float32
+# where training sent bfloat16 is stopped with an error (on a GPU, where bf16 is the default).
+# The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
+# fill a short last batch up to loader.batch_size with padding samples (tokens 0, targets
+# IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast the loss
+# sum from the last rank (the token count is the same on every stage).
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""

@@ -276,7 +276,7 @@ def main():
         #| exercise
         val_loss = evaluate(model, val_loader, device)
         #| solution
-        val_loss = evaluate(model, val_loader, device, stage, eval_schedule)
+        val_loss = evaluate(model, val_loader, device, stage, eval_schedule, args.precision)
         #| end
         stop_if_not_finite(val_loss, step, "validation loss")
         print0(f"epoch {epoch} validation loss {val_loss:.4f} perplexity {perplexity(val_loss):.1f}")
@@ -304,7 +304,7 @@ def main():
     #| exercise
     test_loss = evaluate(model, test_loader, device)
     #| solution
-    test_loss = evaluate(model, test_loader, device, stage, eval_schedule)
+    test_loss = evaluate(model, test_loader, device, stage, eval_schedule, args.precision)
     #| end
     pipeline = {}
     if idle_history:  # the bubble: the measured idle share of every stage next to the theory
@@ -347,18 +347,21 @@ def main():
     destroy_process_group()
 
 
-# TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule), called
-# with eval_schedule. Its forward-only schedule.eval(...) takes the same arguments as
-# schedule.step; the last stage sums the losses of the microbatches. A pipeline's buffers have a
-# fixed shape: fill a short last batch up to loader.batch_size with padding samples (tokens 0,
-# targets IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast
-# the loss sum from the last rank (the token count is the same on every stage).
+# TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule,
+# precision), called with eval_schedule and args.precision. Its forward-only schedule.eval(...)
+# takes the same arguments as schedule.step and runs under the same autocast: at its first step
+# every stage fixed the shapes and dtypes it sends and receives, and a stage that sends float32
+# where training sent bfloat16 is stopped with an error (on a GPU, where bf16 is the default).
+# The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
+# fill a short last batch up to loader.batch_size with padding samples (tokens 0, targets
+# IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast the loss
+# sum from the last rank (the token count is the same on every stage).
 #| exercise
 @torch.no_grad()
 def evaluate(model, loader, device):
 #| solution
 @torch.no_grad()
-def evaluate(model, loader, device, stage, schedule):
+def evaluate(model, loader, device, stage, schedule, precision):
 #| end
     """Token-weighted mean loss over a whole split."""
     model.eval()
@@ -378,8 +381,9 @@ def evaluate(model, loader, device, stage, schedule):
             x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
             y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
         losses = []
-        schedule.eval(*((x,) if stage.is_first else ()),
-                      target=y if stage.is_last else None, losses=losses)
+        with autocast(precision, device):  # the dtypes the stages send in training
+            schedule.eval(*((x,) if stage.is_first else ()),
+                          target=y if stage.is_last else None, losses=losses)
         if losses:
             loss_sum += torch.stack(losses).sum()
         #| end

@@ -72,8 +72,9 @@ def check(ctx) -> None:
                                                              ref.summary["test_loss"]):
         rep.ok(40, "validation and test losses equal the single-process run")
     else:
-        hint = ("evaluate(model, loader, device, stage, eval_schedule): schedule.eval through the "
-                "pipeline, pad the last batch, broadcast loss_sum from the last stage")
+        hint = ("evaluate(model, loader, device, stage, eval_schedule, args.precision): "
+                "schedule.eval through the pipeline, pad the last batch, broadcast loss_sum from "
+                "the last stage")
         if evals and near(s["val_loss"], 0.0, 0, 1e-6):
             hint = "the loss sum exists on the last stage only: broadcast it from there"
         rep.fail(40, f"validation loss {s['val_loss']:.5f}, single process "
@@ -248,6 +249,7 @@ HINTS = {
          "appears only once every stage has written its part."),
     40: ("Evaluation runs through the pipeline too (forward only), with a fixed batch shape; "
          "the sums exist on the last stage.",
-         "evaluate(model, loader, device, stage, schedule): pad a short batch (tokens 0, targets "
-         "IGNORE_INDEX), schedule.eval(...), then dist.broadcast(loss_sum, src=last stage)."),
+         "evaluate(model, loader, device, stage, schedule, precision): pad a short batch "
+         "(tokens 0, targets IGNORE_INDEX), schedule.eval(...) under autocast(precision, device) "
+         "as in training, then dist.broadcast(loss_sum, src=last stage)."),
 }
