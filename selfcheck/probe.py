@@ -45,7 +45,7 @@ class Probe:
             "prints": [], "saves": [], "evals": [], "logged": [], "tokens": [], "adamw": [],
             "compiled": [], "synchronize": 0, "meshes": [], "ddp": [], "setup": [],
             "load_corpus": [], "stages": [], "schedule_calls": [], "loads": [],
-            "forward_dtypes": [], "autocast_forward": [],
+            "forward_dtypes": [], "autocast_forward": [], "compile_calls": [],
         }
         self.datasets, self.samplers, self.models, self.optimizers = [], [], [], []
 
@@ -385,10 +385,19 @@ class Probe:
             if model is None:  # @torch.compile(...) as a decorator
                 return lambda fn: fn
             record["compiled"].append(type(model).__name__)
+            record["compile_calls"].append({  # a module by its class, a function by its name
+                "what": type(model).__name__ if isinstance(model, torch.nn.Module)
+                else getattr(model, "__name__", type(model).__name__),
+                "module": isinstance(model, torch.nn.Module), "mode": k.get("mode"),
+                "in_place": False})
             return model
         torch.compile = compile_
-        torch.nn.Module.compile = lambda self, *a, **k: record["compiled"].append(
-            type(self).__name__)
+
+        def module_compile(self, *a, **k):
+            record["compiled"].append(type(self).__name__)
+            record["compile_calls"].append({"what": type(self).__name__, "module": True,
+                                            "mode": k.get("mode"), "in_place": True})
+        torch.nn.Module.compile = module_compile
 
         # -- everything printed, with the line of the script that caused it
         original_print = builtins.print
@@ -441,6 +450,7 @@ class Probe:
                 self.wrap_evaluate(module)
             self.watch_functions(module)
             collectives_lesson(self, module)  # train/collectives.py only: the block at the end
+            performance_lesson(self, module)  # train/perf_training.py only
             module.main()
         except SystemExit as e:
             if e.code not in (0, None):
@@ -727,6 +737,40 @@ def lesson_call(fn, *args) -> dict:
     else:
         value = repr(value)[:80]
     return {"value": value}
+
+
+class _StandInEvent:
+    """One row of profiler.key_averages(), in microseconds, as torch reports it."""
+
+    def __init__(self, key, count, cpu_total, self_device, device_total):
+        self.key, self.count = key, count
+        self.cpu_time_total, self.self_cpu_time_total = cpu_total, cpu_total
+        self.self_device_time_total = self.self_cuda_time_total = self_device
+        self.device_time_total = self.cuda_time_total = device_total
+
+
+class _StandInProfiler:
+    """A stopped profiler of 3 steps of 10 ms on the CPU each, with `kernel_ms` of kernels per
+    step on a GPU (0: a CPU run): what gpu_busy (TODO 59) reads, without a GPU. As torch's
+    key_averages() does, the steps are one row, "ProfilerStep*", that counts them."""
+
+    def __init__(self, kernel_ms: float):
+        mm, add = 0.8 * kernel_ms * 3e3, 0.2 * kernel_ms * 3e3  # µs over the 3 steps
+        self.rows = [_StandInEvent("ProfilerStep*", 3, 30e3, 0.0, kernel_ms * 3e3),
+                     _StandInEvent("aten::mm", 30, 6e3, mm, mm),
+                     _StandInEvent("aten::add", 30, 2e3, add, add),
+                     _StandInEvent("aten::linear", 30, 9e3, 0.0, mm)]  # mm runs inside it
+
+    def key_averages(self, *a, **k):
+        return self.rows
+
+
+def performance_lesson(probe, module) -> None:
+    """TODO 59's gpu_busy on stand-in profiles: a GPU busy 6 ms of each 10 ms step, a CPU run."""
+    if callable(getattr(module, "gpu_busy", None)):
+        probe.record["gpu_busy"] = {
+            "gpu": lesson_call(module.gpu_busy, _StandInProfiler(6.0)),
+            "cpu": lesson_call(module.gpu_busy, _StandInProfiler(0.0))}
 
 
 def collectives_lesson(probe, module) -> None:

@@ -40,15 +40,16 @@ def runs(tmp_path_factory, data_cache):
         out = root / name
         (out / "counts").mkdir(parents=True)
         script = ["tests/count_allreduces.py", SOLUTION] if count else [SOLUTION]
-        run_script(script[0], *script[1:], *COMMON, *extra, "--out-dir", out, nproc=nproc,
-                   env={**env, "COUNT_DIR": str(out / "counts")}, timeout=TIMEOUT)
+        proc = run_script(script[0], *script[1:], *COMMON, *extra, "--out-dir", out,
+                          nproc=nproc, env={**env, "COUNT_DIR": str(out / "counts")},
+                          timeout=TIMEOUT)
         counts = [int(p.read_text()) for p in sorted((out / "counts").glob("*.txt"))]
         return {"summary": read_summary(out), "weights": torch.load(out / "final_model.pt"),
-                "allreduces": counts}
+                "allreduces": counts, "stdout": proc.stdout}
 
     results = {"reference": run("reference", "--batch-size", str(4 * MICRO), nproc=1),
                "accumulated": run("accumulated", "--batch-size", str(MICRO), "--grad-accum",
-                                  "2", count=True),
+                                  "2", "--log-every", str(STEPS), count=True),
                "one_micro_batch": run("one_micro_batch", "--batch-size", str(2 * MICRO),
                                       count=True)}
     for name, (extra, _) in LAYOUTS.items():
@@ -67,6 +68,11 @@ def assert_trains_like_the_reference(run, reference):
 def test_gradient_accumulation_equals_one_process_with_the_whole_batch(runs):
     assert_trains_like_the_reference(runs["accumulated"], runs["reference"])
     assert runs["accumulated"]["summary"]["global_batch_size"] == 4 * MICRO
+
+
+def test_the_progress_line_counts_optimizer_steps_under_accumulation(runs):
+    # --max-steps counts optimizer steps: 3 of 3, not 3 of 3 // 2 (it read "step 20/5 (400%)")
+    assert f"step {STEPS}/{STEPS} (100%)" in runs["accumulated"]["stdout"]
 
 
 def test_gradient_accumulation_all_reduces_once_per_optimizer_step(runs):

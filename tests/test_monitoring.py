@@ -308,6 +308,12 @@ def test_planned_steps_are_every_epochs_batches_or_max_steps():
     assert planned_steps(SimpleNamespace(epochs=3, max_steps=50), loader) == 50
 
 
+def test_with_accumulation_planned_steps_count_optimizer_steps_as_max_steps_does():
+    loader = [0] * 30  # 4 batches per step: 7 steps per epoch (the 2 left over start the next)
+    assert planned_steps(SimpleNamespace(epochs=3, max_steps=None), loader, 4) == 22
+    assert planned_steps(SimpleNamespace(epochs=3, max_steps=20), loader, 4) == 20
+
+
 def test_evaluation_forward_passes_and_pauses_are_not_training_time(monkeypatch):
     monkeypatch.setenv("PEAK_FLOPS", "1e12")
     model, _, throughput, monitor, _ = monitored()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+import sys
 
 import pytest
 import torch
@@ -35,9 +36,10 @@ def runs(tmp_path_factory, data_cache):
     tmp = tmp_path_factory.mktemp("perf")
     env = script_env(cache_dir=data_cache)
     args = (*COMMON, "--max-steps", 10, "--log-every", 5)
+    # the solution's vocabulary unpadded (--pad-vocab 1): a padded one draws other weights
     out = {"exercise": run_script(EXERCISE, *args, "--out-dir", tmp / "exercise", env=env).stdout,
-           "solution": run_script(SOLUTION, *args, "--profile", "--out-dir", tmp / "solution",
-                                  env=env).stdout}
+           "solution": run_script(SOLUTION, *args, "--profile", "--pad-vocab", 1,
+                                  "--out-dir", tmp / "solution", env=env).stdout}
     run_script(SOLUTION, *args, "--profile", "--batch-size", 4, "--out-dir", tmp / "two",
                nproc=2, env=env, timeout=180)
     return tmp, out
@@ -69,6 +71,52 @@ def test_the_profile_is_a_trace_with_the_named_phases_of_a_step(runs):
                                                                    "ProfilerStep#4",
                                                                    "ProfilerStep#5"}
     assert "Self CPU time total" in out["solution"]  # the operator table
+    # TODO 59 on a CPU: no kernels to compare with, and it says so
+    assert "GPU busy: no GPU kernels in the profile (a CPU run, " in out["solution"]
+
+
+def test_one_process_trains_without_ddp_and_two_ranks_with_it(runs):
+    """TODO 63: DDP's hooks and all-reduces in the two-rank trace only."""
+    tmp, _ = runs
+    [one] = (tmp / "solution" / "profile").glob("rank0.*.pt.trace.json")
+    [two] = (tmp / "two" / "profile").glob("rank0.*.pt.trace.json")
+    assert "DistributedDataParallel.forward" in trace_event_names(two)
+    assert not any("DistributedDataParallel" in (n or "") for n in trace_event_names(one))
+
+
+def test_gpu_busy_reads_kernel_time_per_step_against_the_step_s_cpu_time():
+    """TODO 59 on the self-check's stand-in profiles: kernels 6 ms of each 10 ms step (their
+    own time, not again the time of the operators they run inside), none on a CPU."""
+    sys.path.insert(0, str(ROOT))  # the self-check is no package of the course's install
+    from selfcheck.probe import _StandInProfiler
+    gpu_busy = load_solution().gpu_busy
+    assert gpu_busy(_StandInProfiler(6.0)) == pytest.approx((6.0, 10.0))
+    assert gpu_busy(_StandInProfiler(0.0)) == pytest.approx((0.0, 10.0))
+
+
+def test_gpu_busy_finds_the_steps_of_a_real_profile_as_torch_groups_them():
+    """On a real (CPU) profile: key_averages() groups the recorded steps into one row,
+    "ProfilerStep*" (the trace names them ProfilerStep#N): gpu_busy must find it. (On the H200
+    a version that looked for "ProfilerStep#" found no step and said "no GPU" on a GPU.)"""
+    from torch.profiler import ProfilerActivity, profile, schedule
+    gpu_busy = load_solution().gpu_busy
+    layer = torch.nn.Linear(32, 32)
+    prof = profile(activities=[ProfilerActivity.CPU],
+                   schedule=schedule(wait=1, warmup=1, active=2, repeat=1))
+    prof.start()
+    for _ in range(4):
+        layer(torch.randn(8, 32)).sum().backward()
+        prof.step()
+    prof.stop()
+    kernels_ms, step_ms = gpu_busy(prof)
+    assert kernels_ms == 0 and step_ms > 0
+
+
+def test_the_vocabulary_is_padded_up_to_the_next_multiple():
+    padded_vocab = load_solution().padded_vocab
+    assert [padded_vocab(v, 64) for v in (33278, 13777, 502, 512, 1)] == [33280, 13824, 512,
+                                                                           512, 64]
+    assert padded_vocab(33278, 1) == 33278
 
 
 def test_every_rank_writes_its_own_trace(runs):
@@ -145,8 +193,8 @@ def test_ranges_go_to_the_profiler_everywhere_and_to_nvtx_only_on_a_gpu(monkeypa
 def test_bf16_in_the_solution_trains_close_to_fp32_and_reports_its_precision(tmp_path,
                                                                             data_cache):
     env = script_env(cache_dir=data_cache)
-    run_script(SOLUTION, *COMMON, "--max-steps", 6, "--precision", "bf16", "--out-dir",
-               tmp_path / "bf16", env=env)
+    run_script(SOLUTION, *COMMON, "--max-steps", 6, "--precision", "bf16", "--pad-vocab", 1,
+               "--out-dir", tmp_path / "bf16", env=env)
     run_script(EXERCISE, *COMMON, "--max-steps", 6, "--precision", "bf16", "--out-dir",
                tmp_path / "exercise", env=env)
     bf16, exercise = read_summary(tmp_path / "bf16"), read_summary(tmp_path / "exercise")
@@ -274,3 +322,25 @@ def test_on_amd_gpus_rocprof_1_runs_the_script_under_rocprofv3_into_the_job_s_fo
     assert options[options.index("--output-format") + 1] == "pftrace"
     assert traced[traced.index("--") + 1:traced.index("--") + 3] == ["python", "-u"]
     assert "nsys" not in traced
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_the_last_setting_compiles_once_falls_back_without_cuda_graphs_and_tracks_fp32(
+        tmp_path, data_cache):
+    """The step's last setting on a CPU: the blocks and the loss compiled in reduce-overhead
+    mode (no CUDA graphs on a CPU: torch.compile goes on without them), bf16, the padded
+    vocabulary, no DDP. It compiles its two graphs at the first step and nothing while
+    training after it, and trains like plain fp32 within bf16's tolerance."""
+    compiles = tmp_path / "compiles.json"
+    env = script_env(cache_dir=data_cache, COMPILES_FILE=compiles)
+    run_script(SOLUTION, *COMMON, "--max-steps", 4, "--precision", "fp32", "--out-dir",
+               tmp_path / "fp32", env=env)
+    run_script("tests/record_compiles.py", SOLUTION, *COMMON, "--max-steps", 8,
+               "--precision", "bf16", "--compile", "--compile-mode", "reduce-overhead",
+               "--out-dir", tmp_path / "last", env=env, timeout=800)
+    fp32, last = read_summary(tmp_path / "fp32"), read_summary(tmp_path / "last")
+    assert last["precision"] == "bf16" and last["model_config"]["vocab_size"] % 64 == 0
+    torch.testing.assert_close(last["loss_history"][:4], fp32["loss_history"], atol=0.05, rtol=0)
+    after_step = json.loads(compiles.read_text())["after_step"]
+    assert len(after_step) == 8 and set(after_step) == {after_step[0]} and after_step[0] >= 2

@@ -136,6 +136,8 @@ def test_under_bf16_every_stage_evaluates_in_the_dtypes_it_trained_in(script, la
     summary = read_summary(tmp_path)
     assert summary["precision"] == "bf16" and summary["pipeline_stages"] == 2
     assert all(math.isfinite(v) for v in (summary["val_loss"], summary["test_loss"]))
+    # the losses it keeps are detached: no graph per step held, no warning in the summary
+    assert "requires_grad=True to a scalar" not in proc.stderr
 
 
 def test_the_rehearsal_stops_a_stage_whose_outputs_change_dtype_as_torch_2_11_does():

@@ -339,15 +339,29 @@ def test_fsdp_with_bf16_uses_the_policy_and_tracks_the_fp32_run(tmp_path, data_c
 
 
 @pytest.mark.slow
-def test_compile_trains_like_eager(tmp_path, data_cache):
-    """torch.compile on CPU works but compiles slowly: once, on the tiny model, 3 steps."""
-    env = script_env(cache_dir=data_cache)
-    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
-        run_script("solutions/train/to_distributed_training.py", *COMMON, "--max-steps", 3,
-                   "--batch-size", 4, *extra, "--out-dir", tmp_path / name, env=env, timeout=280)
+@pytest.mark.timeout(900)
+def test_compile_trains_like_eager_and_compiles_training_and_evaluation_once_each(tmp_path,
+                                                                                 data_cache):
+    """torch.compile on CPU works but compiles slowly: the tiny model, two short epochs (26
+    steps of 128 sequences each, an evaluation after each, its last batch a short one),
+    against 3 eager steps."""
+    compiles = tmp_path / "compiles.json"
+    env = script_env(cache_dir=data_cache, COMPILES_FILE=compiles)
+    for name, extra in (("eager", ("--max-steps", 3)), ("compiled", ("--compile",))):
+        run_script("tests/record_compiles.py", "solutions/train/to_distributed_training.py",
+                   *COMMON, "--epochs", 2, "--batch-size", 128, *extra,
+                   "--out-dir", tmp_path / name, env=env, timeout=800)
     eager, compiled = read_summary(tmp_path / "eager"), read_summary(tmp_path / "compiled")
-    assert compiled["args"]["compile"] is True
-    torch.testing.assert_close(compiled["loss_history"], eager["loss_history"], atol=1e-4, rtol=0)
+    assert compiled["args"]["compile"] is True and compiled["steps"] == 52
+    torch.testing.assert_close(compiled["loss_history"][:3], eager["loss_history"], atol=1e-4,
+                               rtol=0)
+    # one graph for training, compiled at the first step; one for evaluation (no gradients),
+    # compiled at the first evaluation; nothing again in the second epoch, its evaluation, the
+    # short last batches (padded to one shape) or the test split
+    counts = json.loads(compiles.read_text())
+    assert len(counts["after_step"]) == 52
+    assert set(counts["after_step"][:26]) == {1} and set(counts["after_step"][26:]) == {2}
+    assert counts["at_exit"] == 2
     # the checkpoint keys are the plain model's: compiling blocks in place adds no prefix
     keys = torch.load(tmp_path / "compiled" / "final_model.pt", weights_only=True).keys()
     assert keys == torch.load(tmp_path / "eager" / "final_model.pt", weights_only=True).keys()
@@ -362,3 +376,36 @@ def test_the_final_line_names_a_run_without_timed_steps_and_a_cpus_resident_memo
     assert peak_memory_text(summary, torch.device("cpu")) == \
         "peak memory 395 MiB (resident size of the process)"
     assert peak_memory_text(summary, torch.device("cuda")) == "peak memory 395 MiB"
+
+
+def test_compiled_runs_leave_their_warm_up_steps_out_of_tokens_per_s_and_say_so(monkeypatch):
+    from utils import metrics
+    clock = iter([0.0, 10.0, 20.0, 21.0, 22.0])  # the ends of 3 slow steps (compiling), 2 fast
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    throughput = metrics.Throughput(torch.device("cpu"), warmup_steps=3)
+    for _ in range(5):
+        throughput.step(100)
+    assert throughput.steps == 2 and throughput.seconds == 2.0  # steps 4 and 5
+    text = metrics.speed_text({"tokens_per_s": 100.0, "mfu": 0.5, "args": {"compile": True}})
+    assert text.startswith("100 tokens/s, MFU 50.0%") and "compiling left out" in text
+
+
+def test_the_clock_restarts_only_once_the_device_has_finished_the_untimed_step(monkeypatch):
+    """A GPU runs behind Python: read the clock before it finished the untimed step, and that
+    step's work lands in the first timed interval (the H200 run, epochs of 6 steps at batch
+    128: 17 % fewer tokens/s than trained)."""
+    from utils import metrics
+    events, clock = [], iter(range(100))
+    monkeypatch.setattr(metrics, "synchronize", lambda device: events.append("sync"))
+    monkeypatch.setattr(metrics.time, "perf_counter",
+                        lambda: events.append("clock") or float(next(clock)))
+    throughput = metrics.Throughput(torch.device("cpu"), warmup_steps=2)
+    throughput.step(10)  # untimed: starts the clock
+    throughput.step(10)  # untimed (warm-up): restarts it
+    assert events == ["sync", "clock", "sync", "clock"]
+    throughput.step(10)  # timed: no wait for the device, one clock read
+    assert events[4:] == ["clock"] and throughput.steps == 1
+    throughput.pause()
+    events.clear()
+    throughput.step(10)  # after a pause (an evaluation): untimed again
+    assert events == ["sync", "clock"] and throughput.steps == 1

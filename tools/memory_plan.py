@@ -45,16 +45,26 @@ def shape_for(params: float, vocab: int, seq_len: int) -> ModelConfig:
                        n_layers=layers, d_ff=4 * d_model, max_seq_len=seq_len, dropout=0.0)
 
 
+# The rows by the memory step's --layout names where it has the layout (train/memory_training.py).
+# Its zero2 is FSDP keeping the gathered weights until backward (ZeRO-2-like: after a step it
+# holds what ZeRO-3 holds, between forward and backward the whole model); DeepSpeed's ZeRO-2
+# (parameters whole, gradients and optimizer state sharded) has no layout in the course.
+DDP, ZERO1, ZERO2_DEEPSPEED, ZERO3, ZERO2, OFFLOAD, CHECKPOINTING = (
+    "ddp", "zero1 (ZeroRedundancyOptimizer)", "ZeRO-2 (DeepSpeed; no course layout)",
+    "zero3 (FSDP)", "zero2 (FSDP, reshard_after_forward=False)", "offload (zero3 + CPU offload)",
+    "zero3 --activation-checkpointing")
+
+
 def layouts(gpus: int, tp: int, pp: int) -> dict[str, Layout]:
     common = dict(dp=gpus // (tp * pp), tp=tp)
     return {
-        "DDP": Layout(zero=0, **common),
-        "ZeRO-1 (ZeroRedundancyOptimizer)": Layout(zero=1, **common),
-        "ZeRO-2": Layout(zero=2, **common),
-        "ZeRO-3 (FSDP)": Layout(zero=3, **common),
-        "FSDP, reshard_after_forward=False": Layout(zero=3, reshard=False, **common),
-        "ZeRO-3 + CPU offload": Layout(zero=3, offload=True, **common),
-        "ZeRO-3 + activation checkpointing": Layout(zero=3, checkpointing=True, **common),
+        DDP: Layout(zero=0, **common),
+        ZERO1: Layout(zero=1, **common),
+        ZERO2_DEEPSPEED: Layout(zero=2, **common),
+        ZERO3: Layout(zero=3, **common),
+        ZERO2: Layout(zero=3, reshard=False, **common),
+        OFFLOAD: Layout(zero=3, offload=True, **common),
+        CHECKPOINTING: Layout(zero=3, checkpointing=True, **common),
     }
 
 
@@ -90,19 +100,33 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_memory_gib: float, batch_size: int,
             "layouts": rows}
 
 
+def unit_for(largest: float) -> tuple[str, float]:
+    """GiB for real models, MiB or KiB for the course's small presets (0.00 GiB tells nothing)."""
+    for name, size in (("GiB", GiB), ("MiB", 2**20)):
+        if largest >= size:
+            return name, size
+    return "KiB", 2**10
+
+
+def count_text(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
 def render(result: dict) -> str:
     m = result["model"]
-    lines = [f"{result['params'] / 1e9:.2f}B parameters (d_model {m['d_model']}, "
+    unit, size = unit_for(max(row["gpu_total"] for row in result["layouts"].values()))
+    lines = [f"{count_text(result['params'])} parameters (d_model {m['d_model']}, "
              f"{m['n_layers']} layers, vocabulary {m['vocab_size']}, sequence {m['max_seq_len']}); "
              f"{result['gpus']} GPUs of {result['gpu_memory_gib']:g} GiB = dp {result['dp']} x "
              f"tp {result['tp']} x pp {result['pp']}; batch {result['batch_size']} sequences "
-             f"per GPU, {result['precision']}",
-             f"{'GiB per GPU':<36}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}"
+             f"per GPU, {result['precision']}; activations with dropout off (dropout adds its "
+             f"masks); total = the sum of the columns, as in the scripts' memory line",
+             f"{unit + ' per GPU':<42}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}"
              f"{'gathered':>9}{'total':>9}  fits in {USABLE:.0%}?"]
     for name, row in result["layouts"].items():
-        host = f" (+{row['host_total'] / GiB:.1f} host)" if row["host_total"] else ""
-        lines.append(f"{name:<36}" + "".join(
-            f"{row[k] / GiB:>9.2f}" for k in (*CATEGORIES, "gathered", "gpu_total"))
+        host = f" (+{row['host_total'] / size:.1f} {unit} host)" if row["host_total"] else ""
+        lines.append(f"{name:<42}" + "".join(
+            f"{row[k] / size:>9.2f}" for k in (*CATEGORIES, "gathered", "gpu_total"))
             + f"  {'yes' if row['fits'] else 'NO'}{host}")
     return "\n".join(lines)
 

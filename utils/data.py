@@ -477,6 +477,17 @@ class TokenWindows(Dataset):
         return w[:-1], w[1:]
 
 
+def pad_batch(x: torch.Tensor, y: torch.Tensor, batch_size: int):
+    """A short last batch filled up to `batch_size` with padding samples (tokens 0, targets
+    IGNORE_INDEX: they count nowhere). Evaluation then has one shape, and a compiled model
+    (--compile) compiles it once instead of again for the last batch."""
+    pad = batch_size - len(x)
+    if pad <= 0:
+        return x, y
+    return (torch.cat([x, x.new_zeros(pad, *x.shape[1:])]),
+            torch.cat([y, y.new_full((pad, *y.shape[1:]), IGNORE_INDEX)]))
+
+
 class DistributedEvalSampler(Sampler):
     """Rank r evaluates samples r, r+W, r+2W, ... and pads with padding samples (see
     TokenWindows) so that every rank runs the same number of batches.

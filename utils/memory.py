@@ -381,29 +381,42 @@ def breakdown(model, optimizer, counter: ActivationCounter, cfg, tokens: int, la
     formula = predict(cfg, tokens, layout, precision=precision) if cfg is not None else None
     out = {"measured": measured, "formula": formula,
            "layout": asdict(layout), "tokens_per_microbatch": tokens,
-           "where": "host" if layout.offload and device.type == "cuda" else device.type}
+           "where": "host" if layout.offload and device.type == "cuda" else device.type,
+           "dropout": cfg.dropout if cfg is not None else 0.0}
     if device.type == "cuda":
         out["measured"]["peak"] = torch.cuda.max_memory_allocated(device)
         out["measured"]["reserved"] = torch.cuda.memory_reserved(device)
     return out
 
 
+def total(numbers: dict) -> float:
+    """The breakdown's total: the sum of its categories and FSDP's gathered parameters, as if
+    all were alive at once. The same meaning in every script's line, summary.json, the docs and
+    tools/memory_plan.py. It is not the step's peak: gradients and activations are alive
+    together only while a previous step's gradients are kept through the forward pass
+    (zero_grad after the forward), and the allocator's peak adds temporaries (the logits'
+    gradient, autocast's weight copies) and its own rounding."""
+    return sum(numbers[k] for k in (*CATEGORIES, "gathered"))
+
+
 def format_breakdown(result: dict) -> str:
-    """One line: measured MiB per category, the formula's in brackets."""
+    """One line: measured MiB per category, the formula's in brackets, their total, and on a GPU
+    the allocator's peak next to it."""
     m, f = result["measured"], result["formula"]
     if f is None:
         f = {k: math.nan for k in (*CATEGORIES, "gathered")}
-    parts = [f"{k} {m[k] / MiB:.2f} ({f[k] / MiB:.2f})" for k in CATEGORIES]
-    total = sum(m[k] for k in CATEGORIES)
+    shown = [*CATEGORIES, "gathered"] if m.get("gathered") or f.get("gathered") else CATEGORIES
+    parts = [f"{k} {m[k] / MiB:.2f} ({f[k] / MiB:.2f})" for k in shown]
     line = (f"memory per rank, MiB measured (formula): {', '.join(parts)}; "
-            f"total {total / MiB:.2f} ({sum(f[k] for k in CATEGORIES) / MiB:.2f})")
-    if m.get("gathered") or f.get("gathered"):
-        line += (f"; gathered parameters alive after forward {m['gathered'] / MiB:.2f} "
-                 f"({f['gathered'] / MiB:.2f})")
+            f"total {total(m) / MiB:.2f} ({total(f) / MiB:.2f})")
     if m.get("weight_copies"):
-        line += f", autocast weight copies {m['weight_copies'] / MiB:.2f}"
+        line += f"; autocast weight copies {m['weight_copies'] / MiB:.2f}"
     if "peak" in m:
         line += f"; allocator peak {m['peak'] / MiB:.0f}, reserved {m['reserved'] / MiB:.0f}"
+    if result.get("dropout"):
+        # flash attention keeps a random seed, the CPU's attention its masks and probabilities
+        line += (f"; dropout {result['dropout']:g} saves its masks too, which the formula "
+                 "leaves out (--dropout 0 to compare)")
     if result["layout"]["offload"]:
         line += " (parameters, gradients, optimizer state offloaded to host memory)"
     return line

@@ -45,15 +45,18 @@ import torch.distributed as dist
 
 from utils.checks import stop_if_a_loss_was_not_finite
 from utils.distributed_utils import collective_device, get_rank, get_world_size
-from utils.memory import CATEGORIES, ActivationCounter, breakdown, format_breakdown, infer_layout
+from utils.memory import (CATEGORIES, ActivationCounter, breakdown, format_breakdown, infer_layout,
+                          total)
 from utils.metrics import GradNorm, MetricLogger, final_results, peak_flops, perplexity
 from utils.precision import resolve_precision
 from utils.system_metrics import FIELDS, start_sampler
 
 
-def planned_steps(args, train_loader) -> int:
-    """Optimizer steps the run will take: every epoch's batches, or --max-steps if fewer."""
-    steps = args.epochs * len(train_loader)
+def planned_steps(args, train_loader, batches_per_step: int = 1) -> int:
+    """Optimizer steps the run will take: every epoch's batches (with gradient accumulation,
+    `batches_per_step` of them make one step), or --max-steps if fewer: --max-steps counts
+    optimizer steps."""
+    steps = args.epochs * len(train_loader) // batches_per_step
     return steps if args.max_steps is None else min(steps, args.max_steps)
 
 
@@ -62,7 +65,7 @@ def memory_summary(ranks: list[dict]) -> dict:
     formula's prediction next to it, and each rank's whole breakdown."""
     out = {k: [r["measured"][k] for r in ranks]
            for k in (*CATEGORIES, "weight_copies", "gathered")}
-    out["total"] = [sum(r["measured"][k] for k in CATEGORIES) for r in ranks]
+    out["total"] = [total(r["measured"]) for r in ranks]
     for k in ("peak", "reserved"):
         if all(k in r["measured"] for r in ranks):
             out[k] = [r["measured"][k] for r in ranks]

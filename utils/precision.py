@@ -75,14 +75,15 @@ def lightning_precision(precision: str) -> str:
     return "bf16-mixed" if precision == "bf16" else "32-true"
 
 
-def compile_blocks(model) -> None:
+def compile_blocks(model, mode: str | None = None) -> None:
     """torch.compile every Transformer block in place (the module keeps its name and its
     state-dict keys, unlike `model = torch.compile(model)`, which prefixes `_orig_mod.`).
 
     Blocks rather than the whole model, as torchtitan does: all blocks share one compiled
     graph (compiled once, on the first step), and FSDP's and DDP's hooks between blocks stay
     outside the compiled code. The first steps are slow (compilation); then the fused kernels
-    save memory traffic.
+    save memory traffic. `mode`: torch.compile's (None: its default; "reduce-overhead" adds
+    CUDA graphs, which replay a block's kernels with one launch: see the performance step).
     """
     for block in model.layers.values():
-        block.compile()
+        block.compile(**({"mode": mode} if mode else {}))

@@ -41,7 +41,7 @@ from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
-                        load_corpus_or_exit)
+                        load_corpus_or_exit, pad_batch)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save_full_model, setup)
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
@@ -174,7 +174,7 @@ def main():
     #| end
     throughput = Throughput(device)
     monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
-                              planned_steps(args, train_loader) // args.grad_accum)
+                              planned_steps(args, train_loader, args.grad_accum))
 
     # ---- training ----
     loss_history, step, micro, val_loss = [], 0, 0, math.nan
@@ -256,7 +256,8 @@ def evaluate(model, loader, device):
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
+        # one shape for every batch: compiled blocks (--compile) compile evaluation once
+        x, y = pad_batch(x.to(device), y.to(device), loader.batch_size)
         loss_sum += F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum",
                                     ignore_index=IGNORE_INDEX)
         tokens += (y != IGNORE_INDEX).sum()

@@ -43,7 +43,7 @@ from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
-                        load_corpus_or_exit)
+                        load_corpus_or_exit, pad_batch)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, atomic_folder,
                                      destroy_process_group, print0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
@@ -297,10 +297,7 @@ def evaluate(model, loader, device, stage, schedule, dp_group, pp_group, last_st
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
         x, y = x.to(device), y.to(device)
-        if len(x) < loader.batch_size:  # a pipeline's buffers have a fixed shape: pad
-            pad = loader.batch_size - len(x)
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
+        x, y = pad_batch(x, y, loader.batch_size)  # a pipeline's buffers have a fixed shape
         losses = []
         with loss_parallel(), autocast(precision, device):
             schedule.eval(*((x,) if stage.is_first else ()),

@@ -3,11 +3,15 @@
 As shipped, this script is the finished DDP step with every speed-up taken out: plain fp32, as
 PyTorch computes by default. On an H100 that is about 80,000 tokens/s for the workshop model,
 4 % of what the GPU's bf16 tensor cores could do. Do the TODOs in order (41 to 47 here, 48 in
-perf_training.sbatch): first measure (tokens/s and MFU while training), then look (a
-torch.profiler trace, NVTX ranges for Nsight Systems), then apply the fixes one at a time and
+perf_training.sbatch, then 59 to 63): first measure (tokens/s and MFU while training), then look
+(a torch.profiler trace, NVTX ranges for Nsight Systems), then apply the fixes one at a time and
 watch each in the numbers: TF32 and bf16 (TODO 45), the fused AdamW (TODO 46), torch.compile
-(TODO 47), and a bigger batch (--batch-size, no code). docs/performance.md has the numbers to
-expect. Check your work at any moment with
+(TODO 47), and a bigger batch (--batch-size, no code). Then the fixes the fastest trainings of
+models this size use (llm.c, torchtitan): read from the profile whether the GPU waits for Python
+(TODO 59), a vocabulary padded to a multiple of 64 (TODO 60), the loss compiled too (TODO 61),
+CUDA graphs (TODO 62), and no DDP for one process (TODO 63). docs/performance.md has the
+numbers to expect; benchmarks/bench_perf_ladder.py measures every fix in one run. Check your
+work at any moment with
     python check.py perf    # runs your file: per TODO ok, not started, or what to fix
     diff -u train/perf_training.py solutions/train/perf_training.py
 
@@ -17,6 +21,7 @@ Run it (one GPU is enough; a laptop CPU runs it too, slowly, and has no TF32):
     sbatch perf_training.sbatch --precision fp32 --max-steps 200 --profile       # after TODO 43
     sbatch perf_training.sbatch --precision bf16 --max-steps 200                 # after TODO 45
     sbatch perf_training.sbatch --precision bf16 --compile --batch-size 128 --max-steps 200
+    sbatch perf_training.sbatch --compile --compile-mode reduce-overhead --max-steps 200  # TODO 62
     NSYS=1 sbatch perf_training.sbatch --max-steps 50                   # after the TODO in the sbatch: nsys
 Open OUT_DIR/profile/*.pt.trace.json in https://ui.perfetto.dev (or TensorBoard's profiler).
 """
@@ -32,10 +37,10 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
-from utils.args import base_parser
+from utils.args import base_parser, positive_int
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
-                        load_corpus_or_exit)
+                        load_corpus_or_exit, pad_batch)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      print0, save0, setup)
 from utils.metrics import (Throughput, flops_per_token, peak_memory_text, perplexity, speed_text,
@@ -116,6 +121,44 @@ def annotate(name: str, device: torch.device):
 #| end
 
 
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+# TODO 59: Is the GPU waiting for Python? In the profiled steps, compare the time the GPU's
+# kernels took (each operator's own device time, summed) with the time each step took on the
+# CPU (the ProfilerStep ranges). When the kernels fill only part of a step, the GPU waits for
+# Python to launch the next ones: the step is bound by launches, and making kernels faster
+# (compile) gains little, fewer launches (bigger batches, CUDA graphs, TODOs 62-63) a lot.
+# Write gpu_busy(profiler): (kernel ms per step, step ms); the kernel time is 0 on a CPU.
+#| exercise
+#| solution
+def gpu_busy(profiler) -> tuple[float, float]:
+    """(kernel time per step, CPU time per step) in ms of the steps a stopped profiler
+    recorded (no kernels on a CPU: 0)."""
+    events = profiler.key_averages()
+    # key_averages() puts the recorded steps into one row, "ProfilerStep*", counting them
+    steps = [e for e in events if e.key.startswith("ProfilerStep")]
+    n = max(sum(e.count for e in steps), 1)
+    kernels_us = sum(e.self_device_time_total for e in events)
+    step_us = sum(e.cpu_time_total for e in steps)
+    return kernels_us / n / 1e3, step_us / n / 1e3
+#| end
+
+
+# TODO 60: A vocabulary padded to a multiple of 64. The output layer is a matmul of width
+# vocab_size; tensor cores read their operands in aligned tiles, and a width like WikiText-2's
+# 33,278 (not a multiple of 8) sends the largest matmul of the model to slower kernels. The
+# extra rows are never a target: training pushes their logits down, and they cost 2 of every
+# 33,280 columns. Write padded_vocab(vocab_size, multiple) (llm.c and nanoGPT pad to 64 and 128).
+#| exercise
+#| solution
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    """vocab_size rounded up to a multiple of `multiple`."""
+    return -(-vocab_size // multiple) * multiple
+#| end
+
+
 def parse_args():
     parser = base_parser(__file__, __doc__)
     # TODO 43: An option to profile.
@@ -124,6 +167,20 @@ def parse_args():
     parser.add_argument("--profile", action="store_true",
                         help="record a torch.profiler trace of a few training steps into "
                              "OUT_DIR/profile (open it in ui.perfetto.dev or TensorBoard)")
+    #| end
+    # TODO 60: --pad-vocab N (default 64; 1 turns padding off).
+    #| exercise
+    #| solution
+    parser.add_argument("--pad-vocab", type=positive_int, default=64, metavar="N",
+                        help="round the vocabulary up to a multiple of N (1: no padding)")
+    #| end
+    # TODO 62: --compile-mode, torch.compile's mode (reduce-overhead: CUDA graphs).
+    #| exercise
+    #| solution
+    parser.add_argument("--compile-mode", default=None,
+                        choices=["default", "reduce-overhead", "max-autotune",
+                                 "max-autotune-no-cudagraphs"],
+                        help="torch.compile's mode with --compile (reduce-overhead: CUDA graphs)")
     #| end
     return parser.parse_args()
 
@@ -147,8 +204,14 @@ def main():
     # ---- data ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
+    # TODO 60: the model's vocabulary: padded_vocab(corpus.vocab_size, args.pad_vocab)
+    #| exercise
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      dropout=args.dropout)
+    #| solution
+    cfg = get_config(args.preset, vocab_size=padded_vocab(corpus.vocab_size, args.pad_vocab),
+                     max_seq_len=args.seq_len, dropout=args.dropout)
+    #| end
     check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))
@@ -177,7 +240,37 @@ def main():
     if args.compile:
         compile_blocks(model)
     #| end
+    # TODO 61: The loss too: the output layer's logits are the largest activation of the
+    # model (batch x sequence x vocabulary), and cross_entropy reads and writes them several
+    # times (float32 copy, log-softmax, its gradient). Compiled, these fuse into fewer passes
+    # (torchtitan compiles its loss the same way). With --compile, loss_fn is
+    # torch.compile(lm_loss).
+    #| exercise
+    loss_fn = lm_loss
+    #| solution
+    loss_fn = torch.compile(lm_loss) if args.compile else lm_loss
+    #| end
+    # TODO 62: CUDA graphs. A step bound by launches (TODO 59) waits for Python to launch
+    # hundreds of kernels; torch.compile's mode "reduce-overhead" records each compiled piece's
+    # kernels once as a CUDA graph and then replays it with one launch. With --compile and a
+    # --compile-mode other than default, compile the blocks and the loss again in that mode
+    # (compile_blocks(model, mode), torch.compile(..., mode=...)): compiling happens at the
+    # first step, so the last call before it counts.
+    #| exercise
+    #| solution
+    if args.compile and args.compile_mode not in (None, "default"):
+        compile_blocks(model, args.compile_mode)
+        loss_fn = torch.compile(lm_loss, mode=args.compile_mode)
+    #| end
+    # TODO 63: One process has no one to average gradients with, but DDP would still copy
+    # every gradient into its buckets and launch an all-reduce per bucket: time the GPU then
+    # waits for, when the step is bound by launches (TODO 59). Wrap only when world_size > 1.
+    #| exercise
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    #| solution
+    if world_size > 1:
+        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    #| end
     # TODO 46: The fused AdamW updates all parameters in one GPU kernel instead of several
     # kernels per parameter; for a small model, the default spends much of a step launching them.
     #| exercise
@@ -186,7 +279,9 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                                   fused=device.type == "cuda")
     #| end
-    throughput = Throughput(device)
+    # with --compile the first steps compile (and, in reduce-overhead mode, record CUDA graphs):
+    # not timed
+    throughput = Throughput(device, warmup_steps=3 if args.compile else 1)
     # Live metrics to TensorBoard or wandb and the log line (utils/monitor.py, docs/monitoring.md)
     monitor = TrainingMonitor(args, out_dir, model, optimizer, throughput, flops_per_tok,
                               planned_steps(args, train_loader))
@@ -228,14 +323,14 @@ def main():
             # device): the weights stay fp32, the matmuls run in bf16.
             #| exercise
             logits = model(x)
-            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            loss = loss_fn(logits, y)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
             #| solution
             with annotate("forward", device), autocast(args.precision, device):
                 logits = model(x)
-                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+                loss = loss_fn(logits, y)
             optimizer.zero_grad(set_to_none=True)
             with annotate("backward", device):
                 loss.backward()
@@ -306,6 +401,22 @@ def main():
         sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print0(profiler.key_averages().table(sort_by=sort_by, row_limit=12))
     #| end
+    # TODO 59: print how busy the GPU was in the profiled steps (gpu_busy, for the profiler's
+    # active steps); on a CPU say that there is no GPU to compare with.
+    #| exercise
+    #| solution
+    if profiler is not None:
+        kernels_ms, step_ms = gpu_busy(profiler)
+        if kernels_ms == 0:
+            print0(f"GPU busy: no GPU kernels in the profile (a CPU run, {step_ms:.1f} ms per "
+                   "step): nothing to compare")
+        else:
+            print0(f"GPU busy {kernels_ms:.1f} ms of each {step_ms:.1f} ms step "
+                   f"({kernels_ms / step_ms:.0%}): "
+                   + ("the GPU waits for Python to launch kernels (bound by launches: fewer "
+                      "launches help, TODOs 62-63, or a bigger batch)" if kernels_ms < 0.8 * step_ms
+                      else "the kernels fill the step (faster kernels help: bf16, compile)"))
+    #| end
 
     # ---- evaluation, saving, summary ----
     test_loss = evaluate(model, test_loader, device)
@@ -327,11 +438,19 @@ def main():
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""
     # No autocast here: the loss of the fp32 weights, comparable between --precision settings.
+    # And no compiled code: evaluation is not timed, and CUDA graphs (TODO 62) keep a block's
+    # output in memory that the next block's replay overwrites when no backward runs between.
+    with torch.compiler.set_stance("force_eager"):
+        return evaluate_eagerly(model, loader, device)
+
+
+def evaluate_eagerly(model, loader, device):
     model.eval()
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
+        # one shape for every batch: compiled blocks (--compile) compile evaluation once
+        x, y = pad_batch(x.to(device), y.to(device), loader.batch_size)
         logits = model(x)
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                     ignore_index=IGNORE_INDEX)

@@ -262,7 +262,7 @@ def main():
             step_loss = all_reduce_mean(loss.detach())
             #| solution
             throughput.step(x.numel())
-            step_loss = (torch.stack(losses).mean() if stage.is_last
+            step_loss = (torch.stack(losses).detach().mean() if stage.is_last
                          else torch.zeros((), device=device))
             dist.broadcast(step_loss, src=num_stages - 1)
             #| end

@@ -240,7 +240,7 @@ HINTS = {
          "losses=losses) between timer.start_step() and idle_history.append(...)."),
     38: ("Only the last stage computes the loss: take it from there, and count one batch's "
          "tokens per step (one pipeline, one batch).",
-         "torch.stack(losses).mean() on the last stage, dist.broadcast(step_loss, "
+         "torch.stack(losses).detach().mean() on the last stage, dist.broadcast(step_loss, "
          "src=num_stages - 1); throughput.step(x.numel())."),
     39: ("No rank holds the whole model: every stage writes its part of one checkpoint folder, "
          "whose keys are the whole model's.",

@@ -226,7 +226,7 @@ def main():
             # every rank logs (and rank 0 reports) the same value. One pipeline processes one
             # batch per step: count its tokens once, not once per stage.
             throughput.step(x.numel())
-            step_loss = (torch.stack(losses).mean() if stage.is_last
+            step_loss = (torch.stack(losses).detach().mean() if stage.is_last
                          else torch.zeros((), device=device))
             dist.broadcast(step_loss, src=num_stages - 1)
             stop_if_not_finite(step_loss, step)  # before anything is saved over a good file

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from model import TransformerLM, get_config
 from utils.args import base_parser
 from utils.checks import claim_out_dir, stop_if_not_finite
-from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
+from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit, pad_batch
 from utils.metrics import (Throughput, flops_per_token, peak_memory_text, perplexity, speed_text,
                            training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
@@ -184,7 +184,8 @@ def evaluate(model, loader, device):
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
+        # one shape for every batch: compiled blocks (--compile) compile evaluation once
+        x, y = pad_batch(x.to(device), y.to(device), loader.batch_size)
         logits = model(x)
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                     ignore_index=IGNORE_INDEX)

@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int
 from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
-from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit
+from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit, pad_batch
 from utils.metrics import (Throughput, flops_per_token, perplexity, speed_text, training_summary,
                            write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
@@ -276,7 +276,8 @@ def evaluate(model, loader, device, dp_group):
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     tokens = torch.zeros((), device=device, dtype=torch.float64)
     for x, y in loader:
-        x, y = x.to(device), y.to(device)
+        # one shape for every batch: compiled blocks (--compile) compile evaluation once
+        x, y = pad_batch(x.to(device), y.to(device), loader.batch_size)
         logits = model(x)
         # DONE 33: loss_parallel, full_tensor()
         with loss_parallel():

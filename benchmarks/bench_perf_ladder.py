@@ -1,0 +1,277 @@
+"""The performance step's ladder in one run: tokens/s, MFU against two ceilings and peak memory of
+the training step, from plain fp32 to the last fix, each row adding one fix to the row above.
+Prints a table; asserts nothing.
+
+    python benchmarks/bench_perf_ladder.py                       # a GPU: the workshop preset
+    python benchmarks/bench_perf_ladder.py --preset tiny --steps 6 --rows 1,3,4   # a CPU
+
+The two ceilings: the data sheet's dense peak of the dtype the matmuls run in (what MFU
+divides by in the scripts), and a large matmul measured on this device in that dtype (what the
+device can actually do: about 80 % of the data sheet on Hopper). The step is the course's own
+(the model, autocast, AdamW, compile_blocks and the performance step's fixes), without the
+course loop around it (data loading, logging, evaluation). Each row is the median of --steps
+timed steps after warm-up steps (compiling happens in the warm-up), timed with CUDA events
+for the GPU's time and a host clock for the time Python took to queue the step: when the two
+are close, the step is bound by launching kernels, not by the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import platform
+import statistics
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from model import TransformerLM, get_config
+from utils.metrics import flops_per_token, measure_matmul_flops, peak_flops
+from utils.precision import autocast, compile_blocks, matmul_dtype, set_precision
+
+WIKITEXT2_VOCAB = 33278
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    label: str
+    todo: str = ""               # where the lesson makes this change
+    precision: str = "fp32"
+    fused: bool = False
+    compile: str = "none"        # none | blocks | blocks+loss | model+loss
+    mode: str | None = None      # torch.compile's mode (reduce-overhead: CUDA graphs)
+    batch: int = 32
+    pad_vocab: int = 1           # round the vocabulary up to a multiple of this
+    ddp: bool = True             # wrapped in DDP although one process (as shipped)
+    dropout: float | None = None  # None: the preset's (0.1)
+    attention: str = "default"   # default | cudnn | flash | efficient
+    vocab: int | None = None     # None: --vocab
+
+
+def ladder(batch: int, big: int) -> list[Setting]:
+    """The performance step's fixes in the lesson's order, each row adding one."""
+    rows = [Setting("fp32 (as shipped)", "")]
+    for label, todo, change in (
+            ("tf32", "45", dict(precision="tf32")),
+            ("bf16 autocast", "45", dict(precision="bf16")),
+            ("+ fused AdamW (the lessons' default)", "46", dict(fused=True)),
+            ("+ compile the blocks", "47", dict(compile="blocks")),
+            ("+ vocabulary padded to 64", "60", dict(pad_vocab=64)),
+            ("+ compile the loss", "61", dict(compile="blocks+loss")),
+            ("+ no DDP for one process", "62", dict(ddp=False)),
+            ("+ CUDA graphs (reduce-overhead)", "63", dict(mode="reduce-overhead")),
+            (f"+ batch {big}", "--batch-size", dict(batch=big)),
+            (f"batch {big} without CUDA graphs", "", dict(mode=None))):
+        rows.append(dataclasses.replace(rows[-1], label=label, todo=todo, **change))
+    return [dataclasses.replace(r, batch=batch) if r.batch == 32 else r for r in rows]
+
+
+EXTRA = {  # one change against the ladder's last row (what else the lesson mentions)
+    "nodrop": dict(dropout=0.0),
+    "b256": dict(batch=256),
+    "vocab13777": dict(vocab=13777),
+    "model": dict(compile="model+loss"),
+    "cudnn": dict(attention="cudnn"),
+    "b32": dict(batch=32),
+}
+
+
+def attention_context(kind: str):
+    if kind == "default":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+               "efficient": SDPBackend.EFFICIENT_ATTENTION}[kind]
+    return sdpa_kernel([backend])
+
+
+def attention_kernels(device) -> str:
+    """The kernels scaled_dot_product_attention runs for the workshop's heads (12 x 64, causal,
+    bf16): which of flash, cuDNN or memory-efficient attention PyTorch picked."""
+    from torch.profiler import ProfilerActivity, profile
+    q = torch.randn(32, 12, 256, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True, dropout_p=0.1).sum().backward()
+        torch.cuda.synchronize(device)
+    names = {e.name for e in prof.events() if e.device_type.name == "CUDA"}
+    found = sorted(n[:60] for n in names if any(k in n.lower() for k in
+                                                ("flash", "fmha", "cudnn", "attention", "sdpa")))
+    return "; ".join(found) or "none named"
+
+
+def padded_vocab(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ceilings) -> dict:
+    precision = set_precision(s.precision, device)
+    vocab = s.vocab or vocab
+    padded = padded_vocab(vocab, s.pad_vocab)
+    cfg = get_config(preset, vocab_size=padded, dropout=s.dropout)
+    torch.manual_seed(0)
+    model = TransformerLM(cfg).to(device)
+    loss_fn = lm_loss
+    mode = dict(mode=s.mode) if s.mode else {}
+    if s.compile in ("blocks", "blocks+loss"):
+        compile_blocks(model, s.mode)  # the course's own helper, as the script calls it
+    if s.compile == "blocks+loss":
+        loss_fn = torch.compile(lm_loss, **mode)
+    forward = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None) \
+        if s.ddp else model
+    if s.compile == "model+loss":
+        def forward_and_loss(x, y):
+            return lm_loss(forward(x), y)
+        step_fn = torch.compile(forward_and_loss, **mode)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
+                                  fused=s.fused and device.type == "cuda")
+    g = torch.Generator(device="cpu").manual_seed(0)
+    batches = [(torch.randint(vocab, (s.batch, cfg.max_seq_len), generator=g),
+                torch.randint(vocab, (s.batch, cfg.max_seq_len), generator=g)) for _ in range(4)]
+    batches = [(x.to(device), y.to(device)) for x, y in batches]
+
+    def step(i):
+        x, y = batches[i % len(batches)]
+        with autocast(precision, device), attention_context(s.attention):
+            if s.compile == "model+loss":
+                loss = step_fn(x, y)
+            else:
+                loss = loss_fn(forward(x), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    cuda = device.type == "cuda"
+    compile_start = time.perf_counter()
+    for i in range(warmup):
+        step(i)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    warm_s = time.perf_counter() - compile_start
+    host, gpu = [], []
+    for i in range(steps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+        t0 = time.perf_counter()
+        step(i)
+        host.append(time.perf_counter() - t0)  # queueing only, on a GPU
+        if cuda:
+            end.record()
+            torch.cuda.synchronize(device)
+            gpu.append(start.elapsed_time(end) / 1e3)
+        else:
+            gpu.append(host[-1])
+    seconds = statistics.median(gpu)
+    tokens = s.batch * cfg.max_seq_len
+    tokens_per_s = tokens / seconds
+    # FLOPs of the model as it is (a padded vocabulary's extra rows are counted: they are
+    # computed) and, for the MFU, of the unpadded model (llm.c and nanoGPT count the padded one)
+    fpt = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers, cfg.d_model,
+                          cfg.max_seq_len)
+    kind = matmul_dtype(precision, device)
+    sheet, sheet_source = ceilings["sheet"][precision]
+    measured = ceilings["measured"][kind]
+    peak_mem = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
+    model = forward = optimizer = batches = None  # free the GPU memory for the next setting
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+    return dict(setting=dataclasses.asdict(s), vocab=padded, tokens_per_s=tokens_per_s,
+                step_ms=seconds * 1e3, host_ms=statistics.median(host) * 1e3,
+                mfu_sheet=tokens_per_s * fpt / sheet, mfu_measured=tokens_per_s * fpt / measured,
+                sheet=sheet, sheet_source=sheet_source, measured=measured,
+                peak_memory_gib=peak_mem / 2**30, warmup_s=warm_s, flops_per_token=fpt)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="workshop")
+    p.add_argument("--vocab", type=int, default=WIKITEXT2_VOCAB)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--big-batch", type=int, default=128)
+    p.add_argument("--rows", default="ladder",
+                   help="ladder, or comma-separated row numbers (1-based) and extra names: "
+                        + ", ".join(EXTRA))
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--json", help="write every row's numbers to this file")
+    args = p.parse_args()
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # one process, as the performance step's single-GPU runs: DDP needs a group even so
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
+                            rank=0, world_size=1)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    print(f"{args.preset} preset, vocabulary {args.vocab}, torch {torch.__version__}, "
+          f"{device.type} ({name or platform.machine()})", flush=True)
+    rows = ladder(args.batch_size, args.big_batch)
+    if args.rows != "ladder":
+        chosen = []
+        for r in args.rows.split(","):
+            if r.isdigit():
+                chosen.append(rows[int(r) - 1])
+            else:
+                chosen.append(dataclasses.replace(rows[-1], label=r, **EXTRA[r]))
+        rows = chosen
+    # the two ceilings, once each: the data sheet's and a big matmul's on this device
+    n = 8192 if device.type == "cuda" else 1024
+    ceilings = {"sheet": {pr: peak_flops(device, pr) for pr in ("fp32", "tf32", "bf16")},
+                "measured": {}}
+    for precision, dtype in (("fp32", torch.float32), ("tf32", torch.float32),
+                             ("bf16", torch.bfloat16)):
+        set_precision(precision, device)
+        ceilings["measured"][matmul_dtype(precision, device)] = measure_matmul_flops(
+            device, dtype, n=n)
+    print("ceilings: " + ", ".join(f"{k} {v / 1e12:.3g} TFLOP/s measured"
+                                   for k, v in ceilings["measured"].items()), flush=True)
+    if device.type == "cuda":
+        try:
+            print(f"attention kernels under bf16: {attention_kernels(device)}", flush=True)
+        except Exception as e:  # noqa: BLE001 - only informative
+            print(f"attention kernels: not found ({type(e).__name__}: {e})", flush=True)
+    print("| setting | TODO | tokens/s | vs fp32 | MFU (data sheet) | MFU (measured matmul) | "
+          "step ms (host ms) | peak GiB | warm-up s |\n|---|---|---|---|---|---|---|---|---|",
+          flush=True)
+    results, base = [], None
+    for s in rows:
+        try:
+            r = run(s, args.preset, device, args.vocab, args.warmup, args.steps, ceilings)
+        except Exception as e:  # noqa: BLE001 - one failing setting must not lose the others
+            traceback.print_exc(file=sys.stdout)
+            print(f"| {s.label} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |",
+                  flush=True)
+            torch._dynamo.reset()
+            continue
+        base = base or r["tokens_per_s"]
+        results.append(r)
+        print(f"| {s.label} | {s.todo} | {r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base:.2f}x | "
+              f"{r['mfu_sheet']:.1%} | {r['mfu_measured']:.1%} | {r['step_ms']:.1f} "
+              f"({r['host_ms']:.1f}) | {r['peak_memory_gib']:.1f} | {r['warmup_s']:.0f} |",
+              flush=True)
+    set_precision("fp32", device)
+    dist.destroy_process_group()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=name, torch=torch.__version__, rows=results), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
