@@ -199,6 +199,7 @@ class Probe:
             model_init(self, *a, **k)
             probe.models.append(self)
             if len(probe.models) == 1:
+                record["model_vocab"] = self.cfg.vocab_size  # (known also if the run crashes)
                 self.register_forward_pre_hook(probe.forward_pre_hook)
                 self.register_forward_hook(probe.output_hook)
                 for module in self.modules():
@@ -385,12 +386,20 @@ class Probe:
             if model is None:  # @torch.compile(...) as a decorator
                 return lambda fn: fn
             record["compiled"].append(type(model).__name__)
+            module = isinstance(model, torch.nn.Module)
+            name = type(model).__name__ if module else getattr(model, "__name__",
+                                                               type(model).__name__)
             record["compile_calls"].append({  # a module by its class, a function by its name
-                "what": type(model).__name__ if isinstance(model, torch.nn.Module)
-                else getattr(model, "__name__", type(model).__name__),
-                "module": isinstance(model, torch.nn.Module), "mode": k.get("mode"),
-                "in_place": False})
-            return model
+                "what": name, "module": module, "mode": k.get("mode"), "in_place": False})
+            if module or not callable(model):
+                return model
+
+            @functools.wraps(model)
+            def counted(*args, **kwargs):  # a compiled function: is it used?
+                calls = record.setdefault("compiled_function_calls", {})
+                calls[name] = calls.get(name, 0) + 1
+                return model(*args, **kwargs)
+            return counted
         torch.compile = compile_
 
         def module_compile(self, *a, **k):

@@ -12,14 +12,17 @@ import json
 
 import pytest
 
-from conftest import run_script, script_env
+from conftest import ROOT, run_script, script_env
 
-SCRIPTS = [f"{folder}/{name}" for folder in ("train", "solutions/train")
-           for name in ("to_distributed_training.py", "fsdp_training.py", "memory_training.py",
-                        "tp_training.py", "pp_training.py", "perf_training.py",
-                        "Lit_training.py")] + ["train/nd_training.py"]
-STEPS, SETTLED = 100, 20  # RSS after step 20 (allocator warm) against the last step's
-GROWTH_MIB = 30  # the leak above grew 125 MiB over these 80 steps
+NAMES = ("to_distributed_training.py", "fsdp_training.py", "memory_training.py",
+         "tp_training.py", "pp_training.py", "perf_training.py", "Lit_training.py",
+         "nd_training.py")
+# as shipped and solved; a file with no TODOs is the same in both folders: once
+SCRIPTS = [f"solutions/train/{name}" for name in NAMES] + [
+    f"train/{name}" for name in NAMES
+    if (ROOT / "train" / name).read_text() != (ROOT / "solutions/train" / name).read_text()]
+STEPS, SETTLED = 80, 20  # RSS after step 20 (allocator warm) against the last step's
+GROWTH_MIB = 30  # the leak above grew about 95 MiB over these 60 steps
 
 pytestmark = pytest.mark.slow
 

@@ -85,5 +85,5 @@ def compile_blocks(model, mode: str | None = None) -> None:
     save memory traffic. `mode`: torch.compile's (None: its default; "reduce-overhead" adds
     CUDA graphs, which replay a block's kernels with one launch: see the performance step).
     """
-    for block in model.layers.values():
+    for block in getattr(model, "module", model).layers.values():  # DDP's wrapper: its module
         block.compile(**({"mode": mode} if mode else {}))

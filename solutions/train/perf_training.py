@@ -9,7 +9,7 @@ watch each in the numbers: TF32 and bf16 (DONE 45), the fused AdamW (DONE 46), t
 (DONE 47), and a bigger batch (--batch-size, no code). Then the fixes the fastest trainings of
 models this size use (llm.c, torchtitan): read from the profile whether the GPU waits for Python
 (DONE 59), a vocabulary padded to a multiple of 64 (DONE 60), the loss compiled too (DONE 61),
-CUDA graphs (DONE 62), and no DDP for one process (DONE 63). docs/performance.md has the
+no DDP for one process (DONE 62), and CUDA graphs (DONE 63). docs/performance.md has the
 numbers to expect; benchmarks/bench_perf_ladder.py measures every fix in one run. Check your
 work at any moment with
     python check.py perf    # runs your file: per TODO ok, not started, or what to fix
@@ -21,7 +21,7 @@ Run it (one GPU is enough; a laptop CPU runs it too, slowly, and has no TF32):
     sbatch perf_training.sbatch --precision fp32 --max-steps 200 --profile       # after DONE 43
     sbatch perf_training.sbatch --precision bf16 --max-steps 200                 # after DONE 45
     sbatch perf_training.sbatch --precision bf16 --compile --batch-size 128 --max-steps 200
-    sbatch perf_training.sbatch --compile --compile-mode reduce-overhead --max-steps 200  # DONE 62
+    sbatch perf_training.sbatch --compile --compile-mode reduce-overhead --max-steps 200  # DONE 63
     NSYS=1 sbatch perf_training.sbatch --max-steps 50                   # after the TODO in the sbatch: nsys
 Open OUT_DIR/profile/*.pt.trace.json in https://ui.perfetto.dev (or TensorBoard's profiler).
 """
@@ -153,7 +153,7 @@ def parse_args():
     # DONE 60: --pad-vocab N (default 64; 1 turns padding off).
     parser.add_argument("--pad-vocab", type=positive_int, default=64, metavar="N",
                         help="round the vocabulary up to a multiple of N (1: no padding)")
-    # DONE 62: --compile-mode, torch.compile's mode (reduce-overhead: CUDA graphs).
+    # DONE 63: --compile-mode, torch.compile's mode (reduce-overhead: CUDA graphs).
     parser.add_argument("--compile-mode", default=None,
                         choices=["default", "reduce-overhead", "max-autotune",
                                  "max-autotune-no-cudagraphs"],
@@ -210,20 +210,20 @@ def main():
     # (torchtitan compiles its loss the same way). With --compile, loss_fn is
     # torch.compile(lm_loss).
     loss_fn = torch.compile(lm_loss) if args.compile else lm_loss
-    # DONE 62: CUDA graphs. A step bound by launches (DONE 59) waits for Python to launch
-    # hundreds of kernels; torch.compile's mode "reduce-overhead" records each compiled piece's
-    # kernels once as a CUDA graph and then replays it with one launch. With --compile and a
-    # --compile-mode other than default, compile the blocks and the loss again in that mode
-    # (compile_blocks(model, mode), torch.compile(..., mode=...)): compiling happens at the
-    # first step, so the last call before it counts.
-    if args.compile and args.compile_mode not in (None, "default"):
-        compile_blocks(model, args.compile_mode)
-        loss_fn = torch.compile(lm_loss, mode=args.compile_mode)
-    # DONE 63: One process has no one to average gradients with, but DDP would still copy
+    # DONE 62: One process has no one to average gradients with, but DDP would still copy
     # every gradient into its buckets and launch an all-reduce per bucket: time the GPU then
     # waits for, when the step is bound by launches (DONE 59). Wrap only when world_size > 1.
     if world_size > 1:
         model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+    # DONE 63: CUDA graphs. A step bound by launches (DONE 59) waits for Python to launch
+    # hundreds of kernels; torch.compile's mode "reduce-overhead" records each compiled piece's
+    # kernels once as a CUDA graph and then replays it with one launch. With --compile and a
+    # --compile-mode other than default, compile the blocks and the loss again in that mode
+    # (compile_blocks(model, mode) takes DDP's wrapper too; torch.compile(..., mode=...)):
+    # compiling happens at the first step, so the last call before it counts.
+    if args.compile and args.compile_mode not in (None, "default"):
+        compile_blocks(model, args.compile_mode)
+        loss_fn = torch.compile(lm_loss, mode=args.compile_mode)
     # DONE 46: The fused AdamW updates all parameters in one GPU kernel instead of several
     # kernels per parameter; for a small model, the default spends much of a step launching them.
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
@@ -351,7 +351,7 @@ def main():
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""
     # No autocast here: the loss of the fp32 weights, comparable between --precision settings.
-    # And no compiled code: evaluation is not timed, and CUDA graphs (DONE 62) keep a block's
+    # And no compiled code: evaluation is not timed, and CUDA graphs (DONE 63) keep a block's
     # output in memory that the next block's replay overwrites when no backward runs between.
     with torch.compiler.set_stance("force_eager"):
         return evaluate_eagerly(model, loader, device)
