@@ -175,7 +175,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
-                     dropout=args.dropout)
+                     dropout=args.dropout, n_layers=args.n_layers)
     # One stage per rank, in rank order. Check that the model and the batch split.
     num_stages, stage_index = world_size, rank
     check_pipeline(args, cfg, num_stages)
