@@ -254,6 +254,28 @@ def stage_ids(rank: int, ranks: int, stages_per_rank: int) -> list[int]:
     return [rank + k * ranks for k in range(stages_per_rank)]
 
 
+class _StandInStage:
+    """What a schedule asks of a stage, answered without computing or sending anything: the
+    forward and backward calls are only noted, in `calls`."""
+
+    def __init__(self, rank: int, ranks: int, stage_index: int, num_stages: int, calls=None):
+        self.group_rank, self.group_size, self.submod, self.device = rank, ranks, None, "cpu"
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        self.calls = calls if calls is not None else []
+
+    def forward_one_chunk(self, chunk, *args, **kwargs):
+        self.calls.append((self.stage_index, "F", chunk))
+
+    def backward_one_chunk(self, chunk, *args, **kwargs):
+        self.calls.append((self.stage_index, "B", chunk))
+
+    def __getattr__(self, name):
+        if name.endswith("_ops"):  # the messages to send and receive: none
+            return lambda *args, **kwargs: []
+        return lambda *args, **kwargs: None
+
+
 def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1
                    ) -> list[list[tuple[int, str, int]]]:
     """Each rank's computations in the order torch's schedule runs them: (stage, kind, microbatch).
@@ -263,27 +285,13 @@ def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1
     of stages (interleaved, zero bubble) compute every rank's order when built: it is read from
     a schedule built on stand-in stages.
     """
-    from unittest import mock
-
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     cls = schedule_class(cls)
     num_stages = ranks * stages_per_rank
 
     def stand_in(rank: int, stage_index: int, calls=None):
-        stage = mock.MagicMock()
-        stage.num_stages, stage.stage_index, stage.device = num_stages, stage_index, "cpu"
-        stage.group_rank, stage.group_size, stage.submod = rank, ranks, None
-        stage.is_first, stage.is_last = stage_index == 0, stage_index == num_stages - 1
-        for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops",
-                     "get_bwd_send_ops"):
-            getattr(stage, name).return_value = []
-        if calls is not None:
-            stage.forward_one_chunk.side_effect = \
-                lambda i, *a, **k: calls.append((stage_index, "F", i))
-            stage.backward_one_chunk.side_effect = \
-                lambda i, *a, **k: calls.append((stage_index, "B", i))
-        return stage
+        return _StandInStage(rank, ranks, stage_index, num_stages, calls)
 
     if issubclass(cls, PipelineScheduleSingle):
         if stages_per_rank != 1:
@@ -292,8 +300,7 @@ def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1
         for rank in range(ranks):
             calls = []
             stage = stand_in(rank, rank, calls)
-            schedule = cls(stage, n_microbatches=microbatches,
-                           loss_fn=lambda *a: mock.MagicMock())
+            schedule = cls(stage, n_microbatches=microbatches, loss_fn=lambda *a: None)
             targets = [None] * microbatches if stage.is_last else None
             schedule._step_microbatches([()] * microbatches, [{}] * microbatches, targets, None)
             order.append(calls)
