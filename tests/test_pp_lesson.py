@@ -10,7 +10,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import warnings
 
@@ -95,7 +94,7 @@ def test_a_pipelined_run_s_checkpoint_loads_into_the_unsplit_model(pipeline_run,
         dcp.load(state, checkpoint_id=out / "final_model")
     model.load_state_dict(state)  # every key of the whole model was in the checkpoint
     for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
-        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_stages_split_the_layers_and_together_hold_the_whole_model_under_its_own_names():
@@ -207,20 +206,20 @@ def test_every_run_draws_the_schedule_it_ran_next_to_the_theory(schedule, pipeli
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)  # offline
 
 
-def test_tools_pipeline_timeline_redraws_a_finished_run(pipeline_run, tmp_path):
+def test_tools_pipeline_timeline_redraws_a_finished_run(pipeline_run, tmp_path, capsys):
     import shutil
+    tool = load_script(ROOT / "tools" / "pipeline_timeline.py")
     out, _ = pipeline_run("1f1b")
     copy = tmp_path / "run"
     copy.mkdir()
     shutil.copy(out / "pipeline_schedule.json", copy)  # e.g. copied home without the pictures
-    proc = subprocess.run([sys.executable, "tools/pipeline_timeline.py", str(copy)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
+    assert tool.main([str(copy)]) == 0
     assert (copy / "pipeline_schedule.html").read_text() == \
         (out / "pipeline_schedule.html").read_text()
-    proc = subprocess.run([sys.executable, "tools/pipeline_timeline.py", str(tmp_path / "none")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and "does not exist" in proc.stderr.strip().splitlines()[-1]
+    with pytest.raises(SystemExit) as stop:
+        tool.main([str(tmp_path / "none")])
+    assert stop.value.code == 2
+    assert "does not exist" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_zero_bubble_with_microbatches_that_do_not_fill_its_rounds_stops_with_one_line():

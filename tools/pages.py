@@ -129,7 +129,7 @@ MEMORY_BODY = """
 </div>
 <p id="command" class="note"></p>
 <div id="error" class="error"></div>
-<svg id="picture" viewBox="0 0 1100 420" role="img" aria-label="bytes per GPU by layout"></svg>
+<svg id="picture" viewBox="0 0 1100 470" role="img" aria-label="bytes per GPU by layout"></svg>
 <table id="table"><thead><tr><th>GiB per GPU</th><th>parameters</th><th>gradients</th>
 <th>optimizer</th><th>activations</th><th>gathered</th><th>total</th><th>fits?</th></tr></thead>
 <tbody></tbody></table>
@@ -180,12 +180,12 @@ function draw(result, memory) {
   const svg = el("picture"), body = el("table").tBodies[0];
   svg.replaceChildren();
   body.replaceChildren();
-  const rows = Object.entries(result.layouts), left = 300, width = 760, top = 30, h = 44;
-  const most = Math.max(memory * GiB, ...rows.map(([, r]) => r.gpu_total));
+  const rows = Object.entries(result.layouts), left = 330, width = 680, top = 34, h = 44;
+  const most = 1.1 * Math.max(memory * GiB, ...rows.map(([, r]) => r.gpu_total));  // room for labels
   const x = (bytes) => left + width * bytes / most;
   rows.forEach(([name, r], i) => {
     const y = top + i * (h + 10);
-    svg.append(svgNode("text", {x: 0, y: y + 28, "font-size": 17}, name));
+    svg.append(svgNode("text", {x: 0, y: y + 28, "font-size": 15}, name));
     let at = 0;
     PARTS.forEach((part, k) => {
       const bytes = part === "gathered" || !r.host_total || part === "activations" ? r[part] : 0;
@@ -193,9 +193,8 @@ function draw(result, memory) {
                                   fill: COLOURS[k]}));
       at += bytes;
     });
-    const total = svgNode("text", {x: Math.min(x(at) + 6, 1030), y: y + 28, "font-size": 16},
-                          `${(r.gpu_total / GiB).toFixed(1)} GiB`);
-    svg.append(total);
+    svg.append(svgNode("text", {x: x(at) + 6, y: y + 28, "font-size": 15},
+                       `${(r.gpu_total / GiB).toFixed(1)} GiB`));
     const tr = document.createElement("tr");
     tr.dataset.layout = name;
     tr.dataset.total = String(r.gpu_total);
@@ -206,15 +205,16 @@ function draw(result, memory) {
       `</td><td>${r.fits ? "yes" : "NO"}</td>`;
     body.append(tr);
   });
-  for (const [bytes, label] of [[memory * GiB, `${memory} GiB`], [USABLE * memory * GiB, "90%"]]) {
+  for (const [bytes, label, anchor] of [[memory * GiB, `${memory} GiB`, "start"],
+                                        [USABLE * memory * GiB, "90%", "end"]]) {
     svg.append(svgNode("line", {x1: x(bytes), x2: x(bytes), y1: 10, y2: top + rows.length * (h + 10),
                                 stroke: "#b91c1c", "stroke-width": 2, "stroke-dasharray": "6 4"}));
-    svg.append(svgNode("text", {x: x(bytes) - 4, y: 20, "font-size": 14, "text-anchor": "end",
-                                fill: "#b91c1c"}, label));
+    svg.append(svgNode("text", {x: x(bytes) + (anchor === "start" ? 4 : -4), y: 22, "font-size": 14,
+                                "text-anchor": anchor, fill: "#b91c1c"}, label));
   }
   PARTS.forEach((part, k) => {
-    svg.append(svgNode("rect", {x: left + k * 150, y: 395, width: 14, height: 14, fill: COLOURS[k]}));
-    svg.append(svgNode("text", {x: left + k * 150 + 20, y: 408, "font-size": 14}, part));
+    svg.append(svgNode("rect", {x: left + k * 140, y: 448, width: 14, height: 14, fill: COLOURS[k]}));
+    svg.append(svgNode("text", {x: left + k * 140 + 20, y: 461, "font-size": 14}, part));
   });
 }
 for (const id of ["model", "gpus", "gpu-memory", "batch", "seq-len", "tp", "pp", "precision"]) {
@@ -296,7 +296,7 @@ PIPELINE_BODY = """
 <div>rank 0 holds the activations of up to <output id="in-flight"></output> microbatches</div>
 </div>
 <div id="error" class="error"></div>
-<svg id="picture" viewBox="0 0 1100 400" role="img" aria-label="pipeline schedule"></svg>
+<svg id="picture" viewBox="0 0 1100 210" role="img" aria-label="pipeline schedule"></svg>
 <p class="note">Each row is one rank; a light box is a microbatch's forward (F), a dark one its
 backward (B), or for zero bubble its input gradients (I, dark) and weight gradients (W, hatched),
 which nothing waits for and which fill the gaps. The order of every rank's boxes is torch's
@@ -391,7 +391,8 @@ function update() {
   draw(timeline, end, v > 1);
 }
 function draw(timeline, end, showStage) {
-  const svg = el("picture"), left = 90, width = 1000, h = Math.min(44, 360 / timeline.length);
+  const svg = el("picture"), left = 90, width = 1000, h = 40;
+  svg.setAttribute("viewBox", `0 0 1100 ${20 + timeline.length * (h + 6)}`);
   svg.replaceChildren();
   svg.append(svgNode("defs", {}));
   svg.firstChild.innerHTML = '<pattern id="hatch" patternUnits="userSpaceOnUse" width="6" height="6" patternTransform="rotate(45)"><line x1="0" y1="0" x2="0" y2="6" stroke="white" stroke-width="2"/></pattern>';
