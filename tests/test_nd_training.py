@@ -121,3 +121,4 @@ def test_stages_per_rank_that_do_not_fit_the_schedule_or_the_model_stop_with_one
     assert "--microbatches 5 must be a multiple of 2" in problem(4, microbatches=5,
                                                                  batch_size=10)
     assert "--layers-per-stage must give 4 counts" in problem(4, layers_per_stage=[2, 2])
+    assert "use --pp 2 or more" in problem(2, pp=1)

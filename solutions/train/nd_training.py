@@ -209,6 +209,9 @@ def check_degrees(args, cfg, world_size: int) -> None:
     if per_rank > 1 and not issubclass(SCHEDULES[args.schedule], PipelineScheduleMulti):
         problems.append(f"--schedule {args.schedule} runs one stage per rank: --stages-per-rank "
                         f"{per_rank} needs --schedule interleaved-1f1b or zero-bubble")
+    if per_rank > 1 and args.pp == 1:  # (torch's evaluation of two stages on one rank fails)
+        problems.append(f"--stages-per-rank {per_rank} interleaves stages over the ranks of a "
+                        "pipeline: use --pp 2 or more")
     split = (f"--pp {args.pp} x --stages-per-rank {per_rank} = {stages} stages" if per_rank > 1
              else f"--pp {args.pp} stages")
     if args.layers_per_stage is None and cfg.n_layers % stages:
