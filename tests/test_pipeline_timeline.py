@@ -157,11 +157,16 @@ dist.init_process_group("nccl", init_method="tcp://127.0.0.1:29533", rank=0, wor
 model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
 stage = PipelineStage(model, 0, 1, torch.device("cuda"))
 schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=lambda out, y: out.square().mean())
-timer = StageBusyTimer(stage, torch.device("cuda"))
 x, y = torch.randn(32, 512, device="cuda"), torch.zeros(32, device="cuda")
 schedule.step(x, target=y)  # the first step builds the stage
 torch.cuda.synchronize()
 torch.cuda.set_sync_debug_mode("error")  # any wait for the GPU raises from here on
+try:
+    schedule.step(x, target=y)
+except RuntimeError as e:
+    print("torch's schedule itself waits for the GPU:", e)
+    raise SystemExit(0)
+timer = StageBusyTimer(stage, torch.device("cuda"))
 shares = []
 for _ in range(5):
     timer.start_step()
@@ -183,4 +188,6 @@ def test_on_a_gpu_the_timer_never_waits_for_the_gpu_during_training():
     proc = subprocess.run([sys.executable, "-c", GPU_CHECK], cwd=ROOT, env=gpu_env(
         PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    if "torch's schedule itself waits" in proc.stdout:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])  # this torch's, not the timer's
     assert "no wait for the GPU in 5 steps" in proc.stdout
