@@ -1,14 +1,16 @@
 """The capstone: pipeline x FSDP x tensor parallelism on one 3-D mesh of 8 processes trains like
-one process with the same global batch."""
+one process with the same global batch, and so do its schedules with two stages per rank
+(interleaved 1F1B, zero bubble)."""
 
 from __future__ import annotations
 
+import json
 import warnings
 
 import pytest
 import torch
 
-from conftest import read_summary, run_script, script_env
+from conftest import load_script, read_summary, run_script, script_env
 from model import TransformerLM, get_config
 
 SCRIPT = "train/nd_training.py"
@@ -58,3 +60,65 @@ def test_degrees_that_do_not_multiply_to_the_world_size_stop_with_one_clear_line
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("error:") and "must equal the world size 1" in last
     assert "Traceback" not in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def four_layer_reference(tmp_path_factory, data_cache):
+    """The DDP solution in one process, with 4 blocks: two stages on each of two ranks."""
+    out = tmp_path_factory.mktemp("nd_reference_4_layers")
+    run_script("solutions/train/to_distributed_training.py", *COMMON, "--n-layers", 4,
+               "--batch-size", 8, "--out-dir", out, env=script_env(cache_dir=data_cache),
+               timeout=120)
+    return out
+
+
+@pytest.mark.parametrize("schedule, theory", [("interleaved-1f1b", 1 / 9), ("zero-bubble", 1 / 25)])
+def test_two_stages_per_rank_train_like_one_process(schedule, theory, four_layer_reference,
+                                                    tmp_path, data_cache):
+    proc = run_script(SCRIPT, *COMMON, "--n-layers", 4, "--batch-size", 8, "--pp", 2,
+                      "--schedule", schedule, "--stages-per-rank", 2, "--microbatches", 4,
+                      "--out-dir", tmp_path, nproc=2, env=script_env(cache_dir=data_cache),
+                      timeout=300)
+    assert f"schedule {schedule}, 2 stages per rank, 4 microbatches" in proc.stdout
+    ref, nd = read_summary(four_layer_reference), read_summary(tmp_path)
+    assert nd["stages_per_rank"] == 2 and nd["bubble_fraction_theory"] == pytest.approx(theory)
+    assert nd["loss_history"] == pytest.approx(ref["loss_history"], rel=1e-5)
+    assert nd["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+    assert nd["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-5)
+    # rank 0 holds stages 0 and 2 (blocks 0 and 2), rank 1 stages 1 and 3: the drawing says so
+    record = json.loads((tmp_path / "pipeline_schedule.json").read_text())
+    assert record["stages"] == [[0, 2], [1, 3]]
+    assert {a[0] for a in record["measured"][1]["actions"]} == {1, 3}
+    assert (tmp_path / "pipeline_schedule.png").is_file()
+    # The checkpoint holds every block once, under the whole model's names.
+    import torch.distributed.checkpoint as dcp
+    ref_weights = torch.load(four_layer_reference / "final_model.pt", weights_only=True)
+    state = {k: torch.full_like(v, float("nan")) for k, v in ref_weights.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
+        dcp.load(state, checkpoint_id=tmp_path / "final_model")
+    for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4,
+                                   msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_stages_per_rank_that_do_not_fit_the_schedule_or_the_model_stop_with_one_line():
+    import argparse
+    nd = load_script(SCRIPT)
+
+    def problem(cfg_layers=2, **given):
+        args = argparse.Namespace(**{"pp": 2, "dp": 1, "tp": 1, "microbatches": 4, "batch_size": 8,
+                                     "layers_per_stage": None, "schedule": "interleaved-1f1b",
+                                     "stages_per_rank": 2, "compile": False, **given})
+        with pytest.raises(SystemExit) as stop:
+            nd.check_degrees(args, get_config("tiny", vocab_size=50, n_layers=cfg_layers), 2)
+        return str(stop.value)
+
+    assert problem() == ("error: the 2 layers do not split evenly into --pp 2 x "
+                         "--stages-per-rank 2 = 4 stages: give --n-layers 4 or "
+                         "--layers-per-stage (e.g. 3,5)")
+    assert "--schedule 1f1b runs one stage per rank" in problem(4, schedule="1f1b")
+    assert "--microbatches 5 must be a multiple of 2" in problem(4, microbatches=5,
+                                                                 batch_size=10)
+    assert "--layers-per-stage must give 4 counts" in problem(4, layers_per_stage=[2, 2])
+    assert "use --pp 2 or more" in problem(2, pp=1)

@@ -1,11 +1,15 @@
 """The pipeline-parallel step: two stages on two ranks train exactly like one process, with
-either schedule, and their Distributed Checkpoint loads into the unsplit model."""
+every schedule, their Distributed Checkpoint loads into the unsplit model, and every run draws
+the schedule it ran next to the theory's. (The capstone's schedules with several stages per
+rank: tests/test_nd_training.py; every schedule's gradients: tests/test_pipeline_gradients.py.)"""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
+import re
 import sys
 import warnings
 
@@ -54,8 +58,9 @@ def pipeline_run(tmp_path_factory, data_cache):
     return run
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_two_stages_on_two_ranks_match_the_single_process_losses(schedule, pipeline_run,
+@pytest.mark.parametrize("schedule, theory", [("gpipe", 1 / 5), ("1f1b", 1 / 5),
+                                              ("zero-bubble", 1 / 13)])
+def test_two_stages_on_two_ranks_match_the_single_process_losses(schedule, theory, pipeline_run,
                                                                  single_process_run):
     out, stdout = pipeline_run(schedule)
     ref, pp = read_summary(single_process_run), read_summary(out)
@@ -64,10 +69,11 @@ def test_two_stages_on_two_ranks_match_the_single_process_losses(schedule, pipel
     assert pp["loss_history"] == pytest.approx(ref["loss_history"], rel=1e-5)
     assert pp["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
     assert pp["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-5)
-    # The bubble is reported per stage, next to the schedule's theory: (p-1)/(m+p-1) = 1/5.
+    # The bubble is reported per stage, next to the schedule's theory: (p-1)/(m+p-1) = 1/5 for
+    # GPipe and 1F1B, (p-1)/(3m+p-1) = 1/13 for zero bubble.
     assert len(pp["idle_fraction_per_stage"]) == 2
     assert all(0 <= f < 1 for f in pp["idle_fraction_per_stage"])
-    assert pp["bubble_fraction_theory"] == pytest.approx(0.2)
+    assert pp["bubble_fraction_theory"] == pytest.approx(theory)
     assert "idle share of a step per stage (measured)" in stdout
     # Each stage holds only its part of the model.
     assert sum(pp["params_per_rank"]) == pytest.approx(
@@ -88,7 +94,7 @@ def test_a_pipelined_run_s_checkpoint_loads_into_the_unsplit_model(pipeline_run,
         dcp.load(state, checkpoint_id=out / "final_model")
     model.load_state_dict(state)  # every key of the whole model was in the checkpoint
     for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
-        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_stages_split_the_layers_and_together_hold_the_whole_model_under_its_own_names():
@@ -121,6 +127,11 @@ REHEARSAL = ROOT / "tests" / "rehearsal"
 @pytest.mark.parametrize("script, layout", [
     ("solutions/train/pp_training.py", ()),
     ("solutions/train/nd_training.py", ("--pp", 2, "--microbatches", 2)),
+    # two stages per rank: their evaluation runs the interleaved schedule forward only
+    ("solutions/train/nd_training.py", ("--pp", 2, "--n-layers", 4, "--schedule",
+                                        "interleaved-1f1b", "--microbatches", 2)),
+    ("solutions/train/nd_training.py", ("--pp", 2, "--n-layers", 4, "--schedule", "zero-bubble",
+                                        "--stages-per-rank", 2, "--microbatches", 2)),
 ])
 def test_under_bf16_every_stage_evaluates_in_the_dtypes_it_trained_in(script, layout, tmp_path,
                                                                       data_cache):
@@ -159,3 +170,77 @@ def test_the_rehearsal_stops_a_stage_whose_outputs_change_dtype_as_torch_2_11_do
                        match="Stage 1 forward outputs: value 0 has a dtype mismatch: "
                              "expected torch.bfloat16 actual torch.float32"):
         module(torch.randn(2, 4))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_every_run_draws_the_schedule_it_ran_next_to_the_theory(schedule, pipeline_run):
+    out, _ = pipeline_run(schedule)
+    for name in ("pipeline_schedule.json", "pipeline_schedule.png", "pipeline_schedule.html"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "pipeline_schedule.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    record = json.loads((out / "pipeline_schedule.json").read_text())
+    # A typical step (not the first, which also builds the pipeline) of both stages: every
+    # microbatch's forward and backward once, in torch's order of that schedule, each inside
+    # the step and none overlapping another on its rank.
+    assert record["step"] >= 1 and len(record["measured"]) == 2
+    kinds = {"1f1b": ["F", "B"], "zero-bubble": ["F", "I", "W"]}[schedule]
+    from utils.pipeline_timeline import SCHEDULE_CLASSES, schedule_order
+    order = schedule_order(SCHEDULE_CLASSES[schedule], 2, 4)
+    for rank, row in enumerate(record["measured"]):
+        actions = row["actions"]
+        assert sorted((a[1], a[2]) for a in actions) == sorted(
+            (k, mb) for k in kinds for mb in range(4))
+        assert [tuple(a[:3]) for a in actions] == [tuple(a) for a in order[rank]]
+        assert all(row["start"] <= a[3] <= a[4] <= row["end"] for a in actions)
+        assert all(b[3] >= a[4] for a, b in zip(actions, actions[1:]))
+    # The second stage cannot start a microbatch before the first has finished it (one host:
+    # every process reads the same clock, so the rows line up).
+    first_f = {a[2]: a[4] for a in record["measured"][0]["actions"] if a[1] == "F"}
+    assert all(a[3] >= first_f[a[2]] for a in record["measured"][1]["actions"] if a[1] == "F")
+    # the numbers: measured from the drawn step, predicted from torch's order with this run's
+    # own compute times, and the formula; the page shows them next to the picture
+    summary = read_summary(out)["pipeline_schedule"]
+    assert summary["bubble_formula"] == pytest.approx(read_summary(out)["bubble_fraction_theory"])
+    assert 0 < summary["bubble_predicted"] <= summary["bubble_measured"] < 1
+    assert summary["step_s_predicted"] <= summary["step_s_measured"]
+    page = (out / "pipeline_schedule.html").read_text()
+    assert "<svg" in page and f"{summary['bubble_measured']:.0%}" in page
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:|//)""", page)  # offline
+
+
+def test_tools_pipeline_timeline_redraws_a_finished_run(pipeline_run, tmp_path, capsys):
+    import shutil
+    tool = load_script(ROOT / "tools" / "pipeline_timeline.py")
+    out, _ = pipeline_run("1f1b")
+    copy = tmp_path / "run"
+    copy.mkdir()
+    shutil.copy(out / "pipeline_schedule.json", copy)  # e.g. copied home without the pictures
+    assert tool.main([str(copy)]) == 0
+    assert (copy / "pipeline_schedule.html").read_text() == \
+        (out / "pipeline_schedule.html").read_text()
+    with pytest.raises(SystemExit) as stop:
+        tool.main([str(tmp_path / "none")])
+    assert stop.value.code == 2
+    assert "does not exist" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_zero_bubble_with_microbatches_that_do_not_fill_its_rounds_stops_with_one_line():
+    import argparse
+    pp = load_script(SOLUTION)
+    cfg = get_config("tiny", vocab_size=50)
+
+    def problem(**given):
+        args = argparse.Namespace(**{"microbatches": 4, "batch_size": 8, "layers_per_stage": None,
+                                     "schedule": "zero-bubble", "compile": False, **given})
+        with pytest.raises(SystemExit) as stop:
+            pp.check_pipeline(args, cfg, 2)
+        return str(stop.value)
+
+    # torch runs them in rounds of 2 (the stages): 6 microbatches are 3 rounds, 5 are not
+    assert problem(microbatches=5, batch_size=10) == (
+        "error: --schedule zero-bubble runs the microbatches in rounds of 2: --microbatches 5 "
+        "must be a multiple of 2 (e.g. 4)")
+    assert "leave out --compile" in problem(compile=True)
+    args = argparse.Namespace(microbatches=6, batch_size=12, layers_per_stage=None,
+                              schedule="zero-bubble", compile=False)
+    assert pp.check_pipeline(args, cfg, 2) is None

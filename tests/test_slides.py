@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+import browser
 from conftest import load_script
 from distributed import run_distributed
 
@@ -150,28 +151,6 @@ def _unavailable(why: str):
     pytest.skip(f"slides not rendered: {why}")
 
 
-def _find_chromium() -> str | None:
-    for name in (os.environ.get("CHROME_PATH"), "chromium", "chromium-browser", "google-chrome"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _install_chromium(log: Path) -> str | None:
-    """Debian/Ubuntu as root: apt-get install chromium (and the fonts the measurements assume)."""
-    if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return None
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    with open(log, "w") as out:
-        for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium",
-                     "fonts-dejavu-core"]):
-            if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                              timeout=900).returncode:
-                return None
-    return _find_chromium()
-
-
 def _install_marp(log: Path) -> Path | None:
     marp = TOOLS_DIR / "node_modules" / ".bin" / "marp"
     if marp.exists():
@@ -197,7 +176,7 @@ def tools() -> tuple[Path, str]:
         if marp is None:
             _unavailable(f"could not install @marp-team/marp-cli@{MARP_VERSION} with npm "
                          f"into {TOOLS_DIR} (see npm.log there)")
-        chromium = _find_chromium() or _install_chromium(TOOLS_DIR / "apt.log")
+        chromium = browser.chromium()
         if chromium is None:
             _unavailable("no Chromium: install Debian's `chromium` (apt-get as root) or set "
                          "CHROME_PATH")

@@ -10,7 +10,8 @@ figure and the code never disagree:
 - pipeline stages: `split_pipeline_stage` (solutions/train/pp_training.py) on the workshop model;
 - pipeline schedules: the order in which torch's ScheduleGPipe and Schedule1F1B run each rank's
   forward and backward passes (their own step loop, on a stand-in stage), timed with a forward
-  of 1 unit and a backward of 2 units.
+  of 1 unit and a backward of 2 units (utils/pipeline_timeline.py's schedule_order and
+  simulate, which also draw a run's own schedule).
 
     python tools/figures.py           # write slides/figures/*.svg
     python tools/figures.py --check   # exit 1 if a committed figure differs from what it writes
@@ -44,7 +45,8 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 from model import TransformerLM, get_config  # noqa: E402
 from utils.data import DistributedEvalSampler  # noqa: E402
-from utils.metrics import pipeline_bubble_fraction  # noqa: E402
+from utils.pipeline_timeline import (pipeline_bubble_fraction, schedule_order,  # noqa: E402
+                                     simulate)
 
 FONT = "DejaVu Sans, Helvetica, Arial, sans-serif"
 MONO = "DejaVu Sans Mono, Menlo, Consolas, monospace"
@@ -446,59 +448,6 @@ def pp_stages() -> Svg:
     return s
 
 
-def schedule_order(cls, stages: int, microbatches: int) -> list[list[tuple[str, int]]]:
-    """Each rank's computations in the order torch's schedule runs them: ("F"|"B", microbatch).
-
-    Runs the schedule's own step loop (what schedule.step() calls after splitting the batch)
-    on a stand-in stage that records forward_one_chunk and backward_one_chunk and sends nothing.
-    """
-    order = []
-    for rank in range(stages):
-        stage = mock.MagicMock()
-        stage.num_stages, stage.stage_index, stage.device = stages, rank, "cpu"
-        stage.is_first, stage.is_last = rank == 0, rank == stages - 1
-        for name in ("get_fwd_recv_ops", "get_fwd_send_ops", "get_bwd_recv_ops",
-                     "get_bwd_send_ops"):
-            getattr(stage, name).return_value = []
-        calls = []
-        stage.forward_one_chunk.side_effect = lambda i, *a, calls=calls, **k: calls.append(("F", i))
-        stage.backward_one_chunk.side_effect = lambda i, *a, calls=calls, **k: calls.append(("B", i))
-        schedule = cls(stage, n_microbatches=microbatches, loss_fn=lambda *a: mock.MagicMock())
-        targets = [None] * microbatches if stage.is_last else None
-        schedule._step_microbatches([()] * microbatches, [{}] * microbatches, targets, None)
-        order.append(calls)
-    return order
-
-
-def simulate(order, forward=1, backward=2):
-    """Start and end of every action when each rank runs its actions in order, as soon as the
-    input (forward: the previous stage's forward; backward: the next stage's backward, or the
-    stage's own forward on the last stage) is ready. Communication is free."""
-    stages = len(order)
-    done, timeline, pos = {}, [[] for _ in order], [0] * stages
-    free = [0] * stages
-    while any(pos[r] < len(order[r]) for r in range(stages)):
-        progressed = False
-        for r in range(stages):
-            if pos[r] == len(order[r]):
-                continue
-            kind, mb = order[r][pos[r]]
-            dep = ((r - 1, "F", mb) if kind == "F" and r > 0 else
-                   (r + 1, "B", mb) if kind == "B" and r < stages - 1 else
-                   (r, "F", mb) if kind == "B" else None)
-            if dep is not None and dep not in done:
-                continue
-            start = max(free[r], done[dep] if dep else 0)
-            end = start + (forward if kind == "F" else backward)
-            done[(r, kind, mb)], free[r] = end, end
-            timeline[r].append((kind, mb, start, end))
-            pos[r] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError("the schedule's order deadlocks")
-    return timeline
-
-
 def pp_schedule() -> Svg:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
@@ -516,7 +465,7 @@ def pp_schedule() -> Svg:
         unit = (WIDTH - 80) / total
         # activations alive at once on stage 0: forwards started minus backwards finished
         alive, peak = 0, 0
-        for kind, *_ in timeline[0]:
+        for _, kind, *_ in timeline[0]:
             alive += 1 if kind == "F" else -1
             peak = max(peak, alive)
         y0 = k * 200
@@ -527,15 +476,15 @@ def pp_schedule() -> Svg:
             y = y0 + 32 + r * 40
             s.text(0, y + 23, f"stage {r}", 17, anchor="start")
             s.rect(80, y, total * unit, 34, fill="#f9fafb", stroke=LIGHT, rx=2, width=1)
-            for kind, mb, start, end in actions:
+            for _, kind, mb, start, end in actions:
                 x = 80 + start * unit
                 fill = PALE[mb] if kind == "F" else RANK_COLOURS[mb]
                 s.rect(x, y, (end - start) * unit, 34, fill=fill, stroke=RANK_COLOURS[mb],
                        rx=3, width=1.5)
                 s.text(x + (end - start) * unit / 2, y + 23, f"{kind}{mb}", 16,
                        fill=INK if kind == "F" else "white", weight="bold")
-    steps = (f"a step takes {totals[0]} units in both" if totals[0] == totals[1] else
-             f"a step takes {totals[0]} and {totals[1]} units")
+    steps = (f"a step takes {fmt(totals[0])} units in both" if totals[0] == totals[1] else
+             f"a step takes {fmt(totals[0])} and {fmt(totals[1])} units")
     s.text(WIDTH / 2, 414, f"time: forward 1 unit, backward 2 units; {steps}", 17, fill=GREY)
     theory = pipeline_bubble_fraction(stages, microbatches)
     measured = ("as drawn for both" if all(f"{i:.0%}" == f"{theory:.0%}" for i in idles)

@@ -304,7 +304,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
-                     dropout=args.dropout)
+                     dropout=args.dropout, n_layers=args.n_layers)
     data = WikiText2DataModule(corpus, cfg.max_seq_len, args.batch_size, args.num_workers, args.seed)
 
     # ---- model (and, inside it, loss and optimizer) ----

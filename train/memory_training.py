@@ -109,7 +109,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
-                     dropout=args.dropout)
+                     dropout=args.dropout, n_layers=args.n_layers)
     check_splits(corpus, cfg.max_seq_len, args.batch_size * args.grad_accum, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))

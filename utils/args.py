@@ -152,6 +152,9 @@ def base_parser(script: str, description: str | None) -> argparse.ArgumentParser
                       help="DataLoader workers per rank (default from SLURM_CPUS_PER_TASK)")
     model = p.add_argument_group("model")
     model.add_argument("--preset", choices=list(PRESETS), default="workshop")
+    model.add_argument("--n-layers", type=positive_int, default=None, metavar="N",
+                       help="Transformer blocks (default: the preset's; e.g. more blocks to "
+                            "give every pipeline stage some, or several per rank)")
     model.add_argument("--dropout", type=probability, default=None,
                        help="dropout probability (default: the preset's)")
     train = p.add_argument_group("training")

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 from utils.distributed_utils import all_reduce_sum, collective_device, is_root_process
 from utils.files import atomic_write_json
+# the pipeline's bubble and its timer live with the drawing of the schedule; importable from here
+from utils.pipeline_timeline import StageBusyTimer, pipeline_bubble_fraction  # noqa: F401
 from utils.precision import matmul_dtype, resolve_precision
 
 
@@ -480,50 +482,3 @@ def write_summary(out_dir: str | os.PathLike, summary: dict) -> Path:
     if is_root_process():
         atomic_write_json(path, summary)
     return path
-
-
-def pipeline_bubble_fraction(stages: int, microbatches: int) -> float:
-    """The idle share of a GPipe or 1F1B step when every stage takes equal time:
-    (p - 1) / (m + p - 1). The first stage waits p - 1 microbatch slots for the last stage to
-    start its backward passes, the last stage waits as long at the start: more microbatches
-    shrink this share, more stages grow it. (1F1B has the same bubble; it keeps only p
-    microbatches' activations alive instead of m.)"""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
-class StageBusyTimer:
-    """Measures how long a pipeline stage computes, so a script can report its idle share.
-
-    Wraps the stage's forward_one_chunk / backward_one_chunk (and, for zero-bubble schedules,
-    backward_weight_one_chunk): the schedule calls them for every microbatch after its data
-    has arrived, so their time is the stage's work. Everything else in a step is waiting for
-    other stages (the bubble) and communication:
-        idle fraction = 1 - busy time / step time
-    """
-
-    METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self, stage, device: torch.device):
-        self.device, self.busy_s = device, 0.0
-        for name in self.METHODS:
-            if hasattr(stage, name):
-                setattr(stage, name, self._timed(getattr(stage, name)))
-
-    def _timed(self, method):
-        def timed(*args, **kwargs):
-            synchronize(self.device)
-            start = time.perf_counter()
-            result = method(*args, **kwargs)
-            synchronize(self.device)
-            self.busy_s += time.perf_counter() - start
-            return result
-        return timed
-
-    def start_step(self) -> None:
-        synchronize(self.device)
-        self.busy_s, self.step_start = 0.0, time.perf_counter()
-
-    def idle_fraction(self) -> float:
-        """Share of the step since start_step() that this stage spent not computing."""
-        synchronize(self.device)
-        return 1.0 - self.busy_s / max(time.perf_counter() - self.step_start, 1e-9)

@@ -303,7 +303,8 @@ def main():
     # ---- 4. what DDP's gradient all-reduce should cost per step ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
-    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len)
+    cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
+                     n_layers=args.n_layers)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
         model = TransformerLM(cfg)
     predicted = (predict_ddp_allreduce_s(model, world_size, latency, busbw)

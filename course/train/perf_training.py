@@ -207,10 +207,10 @@ def main():
     # TODO 60: the model's vocabulary: padded_vocab(corpus.vocab_size, args.pad_vocab)
     #| exercise
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
-                     dropout=args.dropout)
+                     dropout=args.dropout, n_layers=args.n_layers)
     #| solution
     cfg = get_config(args.preset, vocab_size=padded_vocab(corpus.vocab_size, args.pad_vocab),
-                     max_seq_len=args.seq_len, dropout=args.dropout)
+                     max_seq_len=args.seq_len, dropout=args.dropout, n_layers=args.n_layers)
     #| end
     check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)

@@ -178,7 +178,7 @@ def main():
                                  max_vocab=args.max_vocab)
     # DONE 60: the model's vocabulary: padded_vocab(corpus.vocab_size, args.pad_vocab)
     cfg = get_config(args.preset, vocab_size=padded_vocab(corpus.vocab_size, args.pad_vocab),
-                     max_seq_len=args.seq_len, dropout=args.dropout)
+                     max_seq_len=args.seq_len, dropout=args.dropout, n_layers=args.n_layers)
     check_splits(corpus, cfg.max_seq_len, args.batch_size, world_size)
     train_ds, val_ds, test_ds = (TokenWindows(tokens, cfg.max_seq_len)
                                  for tokens in (corpus.train, corpus.valid, corpus.test))

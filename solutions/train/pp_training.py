@@ -17,7 +17,9 @@ Run it:
     sbatch pp_training.sbatch                      # 2 nodes x 4 GPUs: 8 stages of 1 layer each
 When the TODOs are done, choose the schedule and the microbatches, e.g.
     torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --schedule gpipe --microbatches 8
-and watch the idle share fall as the microbatches grow.
+and watch the idle share fall as the microbatches grow; --schedule zero-bubble splits every
+backward in two and fills the bubble with the half that nothing waits for. Every run draws the
+schedule it ran next to the theory's: OUT_DIR/pipeline_schedule.html (and .png).
 """
 
 import math
@@ -29,7 +31,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                          ScheduleInterleavedZeroBubble)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti
 # DONE 36: The pipeline replaces DDP (its stages are not replicas): this import goes.
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
@@ -43,15 +47,21 @@ from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, chec
 # stage broadcasts the loss).
 from utils.distributed_utils import (all_reduce_sum, atomic_folder, destroy_process_group,
                                      print0, setup)
-from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity,
-                           pipeline_bubble_fraction, speed_text, training_summary, write_summary)
+from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity, speed_text,
+                           training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
+from utils.pipeline_timeline import bubble_formula, draw_run_schedule
 from utils.precision import autocast, compile_blocks, set_precision
 
 # GPipe: all forward passes, then all backward passes (keeps every microbatch's activations).
 # 1F1B: after a warm-up, one forward then one backward: the same bubble, but at most
 # `stages` microbatches' activations alive at once.
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+# Zero bubble (torch's ScheduleInterleavedZeroBubble, here with one stage per rank): 1F1B with
+# every backward split into the gradients of the inputs, which the previous stage waits for,
+# and of the weights, which fill the idle time at the end: a third of 1F1B's bubble in theory.
+# (Several stages per rank, interleaved 1F1B: the capstone, train/nd_training.py.)
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B,
+             "zero-bubble": ScheduleInterleavedZeroBubble}
 
 
 def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[range]:
@@ -85,7 +95,10 @@ def build_schedule(name: str, stage, microbatches: int, loss_fn):
     """The schedule runs the stage on `microbatches` pieces of each batch. loss_fn averages over
     a microbatch; the schedule divides the gradients by the number of microbatches, so they
     equal the gradients of the whole batch's mean loss."""
-    return SCHEDULES[name](stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    cls = SCHEDULES[name]
+    if issubclass(cls, PipelineScheduleMulti):  # schedules for several stages per rank: a list
+        stage = [stage]
+    return cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
 
 
 def check_pipeline(args, cfg, num_stages: int) -> None:
@@ -97,6 +110,15 @@ def check_pipeline(args, cfg, num_stages: int) -> None:
     if args.batch_size % args.microbatches:
         problems.append(f"--batch-size {args.batch_size} must be divisible by "
                         f"--microbatches {args.microbatches}")
+    if args.schedule == "zero-bubble":
+        rounds = max(1, args.microbatches // num_stages)  # torch runs them in rounds of `stages`
+        if args.microbatches % rounds:
+            problems.append(f"--schedule zero-bubble runs the microbatches in rounds of "
+                            f"{num_stages}: --microbatches {args.microbatches} must be a multiple "
+                            f"of {rounds} (e.g. {num_stages * rounds})")
+        if args.compile:
+            problems.append("--schedule zero-bubble splits every backward in two, which torch "
+                            "cannot do for compiled blocks: leave out --compile")
     counts = args.layers_per_stage
     if counts is None and cfg.n_layers % num_stages:
         problems.append(f"the {cfg.n_layers} layers do not split evenly into {num_stages} stages: "
@@ -141,7 +163,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
-                     dropout=args.dropout)
+                     dropout=args.dropout, n_layers=args.n_layers)
     # One stage per rank, in rank order. Check that the model and the batch split.
     num_stages, stage_index = world_size, rank
     check_pipeline(args, cfg, num_stages)
@@ -260,18 +282,21 @@ def main():
     pipeline = {}
     if idle_history:  # the bubble: the measured idle share of every stage next to the theory
         # The median idle share of this stage's steps (the first one also sets the pipeline up),
-        # gathered from every stage.
-        idle = torch.tensor(idle_history[1:] or idle_history, device=device).median().item()
+        # gathered from every stage. (On a GPU each share is read now, not during training.)
+        idle = torch.tensor([float(f) for f in idle_history[1:] or idle_history]).median().item()
         idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
                                            device=device))
-        bubble = pipeline_bubble_fraction(num_stages, args.microbatches)
+        bubble, formula = bubble_formula(args.schedule, num_stages, args.microbatches)
         print0(f"idle share of a step per stage (measured): "
                f"{' '.join(f'{f:.0%}' for f in idle.tolist())}; "
                f"bubble of {args.schedule} with {num_stages} stages and {args.microbatches} "
-               f"microbatches, for equal stages and free communication: {bubble:.0%}")
+               f"microbatches, for equal stages and free communication: {bubble:.0%} ({formula})")
+        # The schedule as it ran (a typical step, every stage) next to the theory's, drawn into
+        # out_dir/pipeline_schedule.html and .png (utils/pipeline_timeline.py)
+        drawn = draw_run_schedule(out_dir, timer, args.schedule, args.microbatches)
         pipeline = dict(data_parallel_size=1, pipeline_stages=num_stages, schedule=args.schedule,
                         microbatches=args.microbatches, idle_fraction_per_stage=idle.tolist(),
-                        bubble_fraction_theory=bubble)
+                        bubble_fraction_theory=bubble, pipeline_schedule=drawn)
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,

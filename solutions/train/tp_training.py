@@ -132,7 +132,7 @@ def main():
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
                                  max_vocab=args.max_vocab)
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
-                     dropout=args.dropout)
+                     dropout=args.dropout, n_layers=args.n_layers)
     # DONE 26: Check that the model and the world can be split (check_tp_degree), then arrange
     # the ranks in a 2-D device mesh (init_device_mesh) with dimensions named "dp" and "tp":
     # world_size // tp replicas of tp ranks each. TP is the inner (last) dimension: ranks r and
