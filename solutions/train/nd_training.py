@@ -116,8 +116,9 @@ def lm_loss_sum(logits, targets):
                            ignore_index=IGNORE_INDEX)
 
 
-def check_degrees(args, cfg, world_size: int) -> None:
-    """Stop with one line saying what to change when the mesh, model or batch cannot be split."""
+def degree_problems(args, cfg, world_size: int) -> list[str]:
+    """Every reason the mesh, model or batch cannot be split, one line each saying what to change
+    (tools/plan_run.py asks the same questions before a job is submitted)."""
     problems = []
     if args.pp * args.dp * args.tp != world_size:
         problems.append(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} must equal the "
@@ -135,8 +136,28 @@ def check_degrees(args, cfg, world_size: int) -> None:
     if args.microbatches < args.pp or args.batch_size % args.microbatches:
         problems.append(f"--microbatches {args.microbatches} must be at least --pp {args.pp} "
                         f"and divide --batch-size {args.batch_size}")
+    return problems
+
+
+def check_degrees(args, cfg, world_size: int) -> None:
+    """Stop with one line saying what to change when the mesh, model or batch cannot be split."""
+    problems = degree_problems(args, cfg, world_size)
     if problems:
         sys.exit("error: " + "; ".join(problems))
+
+
+def build_mesh(device_type: str, pp: int, dp: int, tp: int):
+    """The (pp, dp, tp) mesh: tp innermost (consecutive ranks, inside a node), pp outermost."""
+    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def parallelize(model: TransformerLM, mesh, layers_per_stage=None) -> TransformerLM:
+    """This rank's part of the model: its pipeline stage, split with TP inside the stage, then
+    sharded with FSDP across the replicas."""
+    model = split_pipeline_stage(model, mesh["pp"].get_local_rank(), mesh["pp"].size(),
+                                 layers_per_stage)
+    model = apply_tp(model, mesh["tp"])
+    return apply_fsdp(model, mesh["dp"])
 
 
 def main():
@@ -167,8 +188,7 @@ def main():
                      dropout=args.dropout)
     check_degrees(args, cfg, world_size)
     check_splits(corpus, cfg.max_seq_len, args.batch_size, args.dp)
-    mesh = init_device_mesh(device.type, (args.pp, args.dp, args.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+    mesh = build_mesh(device.type, args.pp, args.dp, args.tp)
     stage_index, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     last_stage = args.pp - 1
@@ -195,9 +215,7 @@ def main():
     print0(f"data: {corpus.source}, vocabulary {corpus.vocab_size}, {len(train_ds)} training "
            f"windows of {cfg.max_seq_len} tokens; model: {args.preset}, "
            f"{model.num_params() / 1e6:.1f}M parameters; world size {world_size}")
-    model = split_pipeline_stage(model, stage_index, args.pp, args.layers_per_stage)
-    model = apply_tp(model, mesh["tp"])
-    model = apply_fsdp(model, mesh["dp"])
+    model = parallelize(model, mesh, args.layers_per_stage)
     stage = PipelineStage(model, stage_index, args.pp, device, group=pp_group)
     schedule = SCHEDULES[args.schedule](stage, n_microbatches=args.microbatches, loss_fn=lm_loss)
     eval_schedule = ScheduleGPipe(stage, n_microbatches=args.microbatches, loss_fn=lm_loss_sum)
