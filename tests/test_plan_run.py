@@ -75,6 +75,8 @@ def test_a_good_layout_gets_memory_and_collectives_per_rank_and_its_json(tool, c
     result = json.loads(path.read_text())
     assert [r["rank"] for r in result["ranks"]] == [0, 4, 7]
     first, last = result["ranks"][0], result["ranks"][-1]
+    for row in result["ranks"]:  # the mesh the capstone built is the one the search assumes
+        assert row["groups"] == tool.mesh_groups(row["rank"], 2, 2, 2)
     assert first["first"] and not first["last"] and last["last"] and not last["first"]
     assert first["where"] == {"pp": "across nodes", "dp": "inside a node", "tp": "inside a node"}
     # each rank holds about an eighth of the model, the first stage the embedding's share

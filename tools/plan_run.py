@@ -37,7 +37,9 @@ output ("Before you ask for 64 nodes").
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import json
 import math
 import os
 import re
@@ -153,7 +155,8 @@ def mesh_groups(rank: int, pp: int, dp: int, tp: int) -> dict[str, list[int]]:
     init_device_mesh lays them out (row-major: tp varies fastest)."""
     grid = torch.arange(pp * dp * tp).view(pp, dp, tp)
     p, d, t = (int(i) for i in (grid == rank).nonzero()[0])
-    return {"pp": grid[:, d, t].tolist(), "dp": grid[p, :, t].tolist(), "tp": grid[p, d, :].tolist()}
+    return {"pp": grid[:, d, t].tolist(), "dp": grid[p, :, t].tolist(),
+            "tp": grid[p, d, :].tolist()}
 
 
 def where(group: list[int], gpus_per_node: int) -> str:
@@ -276,11 +279,11 @@ def built_parts(model: nn.Module) -> dict:
         if placement is None:
             continue
         if isinstance(module, nn.Embedding):  # row-wise: each rank looks up its vocabulary rows
-            tp.append(("forward", name, "weights", module.embedding_dim))
+            tp.append(("forward", name, "fp32", module.embedding_dim))
         elif isinstance(module, nn.Linear) and placement.dim == 1:  # row-wise: partial sums
-            tp.append(("forward", name, "compute", module.out_features))
+            tp.append(("forward", name, "matmul", module.out_features))
         elif isinstance(module, nn.Linear) and placement.dim == 0:  # column-wise: the gradient
-            tp.append(("backward", name, "weights", module.in_features))
+            tp.append(("backward", name, "fp32", module.in_features))
     if model.output is not None and tp_placement(model.output.weight) is not None:
         # loss_parallel on logits split over the vocabulary: the maximum, the sum of the
         # exponentials and the target's logit, one number per token each (torch's
@@ -310,15 +313,16 @@ def formula_parts(cfg: ModelConfig, tp: int, layers: int, first: bool, last: boo
     fsdp += [{"unit": f"layers.{i}", "bytes": block, "reshard_after_forward": True}
              for i in range(layers)]
     d = cfg.d_model
-    per_block = [("forward", "attn.out_proj", "compute", d), ("forward", "mlp.out_proj", "compute", d),
-                 *[("backward", f"attn.{p}_proj", "weights", d) for p in "qkv"],
-                 ("backward", "mlp.in_proj", "weights", d)]
-    tp_ops = [("forward", "tok_emb", "weights", d)] if first else []
+    per_block = [("forward", "attn.out_proj", "matmul", d),
+                 ("forward", "mlp.out_proj", "matmul", d),
+                 *[("backward", f"attn.{p}_proj", "fp32", d) for p in "qkv"],
+                 ("backward", "mlp.in_proj", "fp32", d)]
+    tp_ops = [("forward", "tok_emb", "fp32", d)] if first else []
     tp_ops += per_block * layers
     if last:
-        tp_ops += [("backward", "output", "weights", d)]
+        tp_ops += [("backward", "output", "fp32", d)]
         tp_ops += [("forward", "loss_parallel", "fp32", 1)] * 3
-    return {"fsdp": fsdp, "tp": tp_ops if tp > 1 else []}
+    return {"fsdp": fsdp, "tp": tp_ops}
 
 
 # ------------------------------------------------------------------- the collectives of a step
@@ -350,8 +354,9 @@ def step_collectives(parts: dict, a: argparse.Namespace, cfg: ModelConfig, stage
     nccl-tests counts them: the gathered output, the reduce-scatter's input)."""
     order = stage_order(a.schedule, stage, a.pp, a.microbatches)
     tokens = a.batch_size // a.microbatches * cfg.max_seq_len  # of one microbatch
-    compute = 2 if a.precision == "bf16" else 4  # autocast's matmul outputs
-    dtype_bytes = {"compute": compute, "weights": 4, "fp32": 4}
+    # autocast's matmuls give bf16; the residual stream, the embedding, the gradients that reach
+    # the fp32 inputs and loss_parallel stay fp32 (as recorded in a bf16 run of the capstone)
+    dtype_bytes = {"matmul": 2 if a.precision == "bf16" else 4, "fp32": 4}
     rows = {}
 
     def add(dim, op, what, calls, nbytes):
@@ -414,10 +419,9 @@ def rough_step_s(cfg: ModelConfig, a: argparse.Namespace, seconds: dict, peak: f
     stretched by the pipeline bubble; TP's and PP's communication on top (TP's sits between a
     layer's matmuls; the schedule waits for every transfer); FSDP's only where it is longer
     than the compute it overlaps with."""
-    with torch.device("meta"):
-        n_params = TransformerLM(cfg).num_params(exclude_embeddings=True)
-    flops = (flops_per_token(n_params, cfg.n_layers, cfg.d_model, cfg.max_seq_len)
-             * a.batch_size * cfg.max_seq_len / (a.tp * a.pp))
+    per_token = flops_per_token(model_params(cfg, exclude_embeddings=True), cfg.n_layers,
+                                cfg.d_model, cfg.max_seq_len)
+    flops = per_token * a.batch_size * cfg.max_seq_len / (a.tp * a.pp)
     compute = flops / (peak * ASSUMED_MFU)
     bubble = pipeline_bubble_fraction(a.pp, a.microbatches)
     step = (compute / (1 - bubble) + seconds["tp"] + seconds["pp"]
@@ -460,7 +464,6 @@ def network_model(args, site: dict[str, str]) -> dict:
 
 
 def fitted_link(path: str, flag: str) -> dict:
-    import json
     try:
         records = json.loads(Path(path).read_text())
         sizes = [r["bytes"] for r in records["records"] if r["collective"] == "all_reduce"]
@@ -484,7 +487,7 @@ def plan_layout(cfg, args, world: int, gpus_per_node: int, tp: int, pp: int, net
                 ) -> dict:
     """The whole plan of one layout: its problems, and, where it can be built, every rank that
     differs, built."""
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     a = capstone_args(args, cfg, world, tp, pp)
     result = {"model": cfg.to_dict(), "nodes": world // gpus_per_node,
               "gpus_per_node": gpus_per_node, "world_size": world, "pp": pp, "dp": a.dp,
@@ -492,7 +495,7 @@ def plan_layout(cfg, args, world: int, gpus_per_node: int, tp: int, pp: int, net
               "microbatches": a.microbatches, "schedule": a.schedule, "precision": a.precision,
               "capstone_flags": capstone_flags(a), "gpu_memory_gib": args.gpu_memory,
               "usable_share": memory_plan.USABLE, "network": network, "ranks": [],
-              "params": whole_model_params(cfg)}
+              "params": model_params(cfg)}
     result["problems"] = layout_problems(cfg, world, gpus_per_node, tp, pp, args)
     if result["problems"]:  # nothing to build: the split itself is wrong
         return result
@@ -506,20 +509,18 @@ def plan_layout(cfg, args, world: int, gpus_per_node: int, tp: int, pp: int, net
         problem = memory_problem(row, args.gpu_memory)
         if problem:
             result["problems"].append(problem)
-        result["problems"] += [p for p in mesh_order_problems(row["groups"], gpus_per_node)
-                               if p not in result["problems"]]
         result["ranks"].append(row)
-    first = result["ranks"][0]
     result["estimate"] = rough_step_s(cfg, a, max_seconds(result["ranks"]),
                                       GPU_PEAK_FLOPS[args.gpu][peak_kind(args)])
-    result["estimate"]["first_rank_seconds"] = first["seconds"]
     result["build_s"] = time.perf_counter() - started
+    result["build_cpu_s"] = time.process_time() - cpu_started
     return result
 
 
-def whole_model_params(cfg: ModelConfig) -> int:
+@functools.cache
+def model_params(cfg: ModelConfig, exclude_embeddings: bool = False) -> int:
     with torch.device("meta"):
-        return TransformerLM(cfg).num_params()
+        return TransformerLM(cfg).num_params(exclude_embeddings=exclude_embeddings)
 
 
 def max_seconds(ranks: list[dict]) -> dict[str, float]:
