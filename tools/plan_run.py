@@ -4,9 +4,11 @@ the job would fail, one line each.
 
     python tools/plan_run.py --preset workshop --nodes 2 --gpus-per-node 4 --tp 2 --pp 2 \\
         --global-batch 64 --microbatches 4
-    python tools/plan_run.py --params 7e9 --seq-len 4096 --nodes 256 --gpus-per-node 4 \\
-        --tp 4 --pp 4 --global-batch 512 --microbatches 8 --json plan.json
-    python tools/plan_run.py --params 7e9 --seq-len 4096 --nodes 256 --global-batch 512  # search
+    python tools/plan_run.py --params 7e9 --d-model 4096 --layers 32 --seq-len 4096 \\
+        --nodes 256 --gpus-per-node 4 --tp 4 --pp 4 --global-batch 512 --microbatches 8 \\
+        --json plan.json
+    python tools/plan_run.py --params 7e9 --d-model 4096 --layers 32 --nodes 256 \\
+        --global-batch 512 --microbatches 8                                     # search
 
 For the ranks that differ (the first rank of every pipeline stage and the last rank), the tool
 joins torch.distributed's fake process group of nodes x GPUs ranks (every collective returns at
@@ -587,7 +589,7 @@ def render(result: dict, args) -> str:
         f"model: {count(result['params'])} parameters (d_model {m['d_model']}, {m['n_layers']} "
         f"layers, {m['n_heads']} heads, d_ff {m['d_ff']}, vocabulary {m['vocab_size']}, sequence "
         f"{m['max_seq_len']}); {result['precision']}, AdamW",
-        f"layout: {result['nodes']} nodes x {result['gpus_per_node']} GPUs = "
+        f"layout: {plural(result['nodes'], 'node')} x {plural(result['gpus_per_node'], 'GPU')} = "
         f"{result['world_size']} ranks = pp {result['pp']} x dp {result['dp']} x tp "
         f"{result['tp']}; global batch {result['global_batch']} = {result['batch_per_replica']} "
         f"per replica in {result['microbatches']} microbatches; {result['schedule']}",
@@ -616,13 +618,15 @@ def render(result: dict, args) -> str:
                      + f"  {'yes' if mem['total'] <= limit else 'NO'}")
     for r in (ranks[0], ranks[-1]) if len(ranks) > 1 else ranks:
         lines += ["", f"collectives of rank {r['rank']} per step (stage {r['stage']}; "
-                  + ", ".join(f"{dim} group: {len(r['groups'][dim])} ranks {r['where'][dim]}"
-                              for dim in ("tp", "dp", "pp")) + ")",
+                  + ", ".join(f"{dim} group: {plural(len(r['groups'][dim]), 'rank')} "
+                              f"{r['where'][dim]}" for dim in ("tp", "dp", "pp")) + ")",
                   f"{'dim':<4}{'collective':<16}{'what':<36}{'calls':>6}{'MiB each':>10}"
                   f"{'time':>10}"]
         for c in r["collectives"]:
             lines.append(f"{c['dim']:<4}{c['op']:<16}{c['what']:<36}{c['calls']:>6}"
                          f"{c['bytes'] / MiB:>10.3f}{duration(c['seconds']):>10}")
+        if not r["collectives"]:
+            lines.append("(none: every group of this rank is the rank alone)")
         lines.append("per step: " + ", ".join(f"{dim} {duration(r['seconds'][dim])}"
                                               for dim in ("tp", "dp", "pp")))
     e = result["estimate"]
@@ -635,6 +639,10 @@ def render(result: dict, args) -> str:
                  f"plus TP's and PP's transfers and FSDP's beyond the compute: about "
                  f"{duration(e['step_s'])}")
     return "\n".join(lines)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" + ("" if n == 1 else "s")
 
 
 def count(n: float) -> str:
