@@ -6,27 +6,40 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections import Counter
 
 import pytest
 import torch
 
 from conftest import load_script, read_summary, run_script, script_env
 from model import TransformerLM, get_config
+from utils.memory import CATEGORIES, relative_error
 
 SCRIPT = "train/nd_training.py"
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--max-steps", 3, "--dropout", 0,
           "--seed", 5, "--logger", "none", "--log-every", 1)
+ND_LAYOUT = ("--batch-size", 8, "--pp", 2, "--dp", 2, "--tp", 2, "--microbatches", 2)
 
 
-@pytest.mark.slow
-def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(tmp_path, data_cache):
-    env = script_env(cache_dir=data_cache)
-    ref_dir, nd_dir = tmp_path / "reference", tmp_path / "nd"
+@pytest.fixture(scope="module")
+def capstone_run(tmp_path_factory, data_cache):
+    """The single-process reference and the capstone on 8 processes (pp 2 x dp 2 x tp 2), once
+    for the tests below. The capstone runs under tests/record_collectives.py, which writes
+    every rank's collectives of one training step and the shapes of its parameters."""
+    root = tmp_path_factory.mktemp("nd")
+    env = script_env(cache_dir=data_cache, RECORD_DIR=root)
+    ref_dir, nd_dir = root / "reference", root / "nd"
     # global batch 16 = --batch-size 8 per data-parallel replica x dp 2
     run_script("solutions/train/to_distributed_training.py", *COMMON, "--batch-size", 16,
                "--out-dir", ref_dir, env=env, timeout=120)
-    proc = run_script(SCRIPT, *COMMON, "--batch-size", 8, "--pp", 2, "--dp", 2, "--tp", 2,
-                      "--microbatches", 2, "--out-dir", nd_dir, nproc=8, env=env, timeout=600)
+    proc = run_script("tests/record_collectives.py", SCRIPT, *COMMON, *ND_LAYOUT,
+                      "--out-dir", nd_dir, nproc=8, env=env, timeout=600)
+    return ref_dir, nd_dir, proc, root
+
+
+@pytest.mark.slow
+def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(capstone_run):
+    ref_dir, nd_dir, proc, _ = capstone_run
     assert "mesh pp 2 x dp 2 x tp 2" in proc.stdout
     ref, nd = read_summary(ref_dir), read_summary(nd_dir)
     assert nd["global_batch_size"] == ref["global_batch_size"] == 16
@@ -50,6 +63,44 @@ def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(tmp_p
         dcp.load(state, checkpoint_id=nd_dir / "final_model")
     for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
         torch.testing.assert_close(state[k], v, rtol=0, atol=3e-4, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.slow
+def test_the_plan_of_this_layout_agrees_with_the_eight_process_run(capstone_run, tmp_path):
+    """tools/plan_run.py builds the same layout in one process, on a fake process group of 8
+    ranks: what it says the first rank of each stage and the last rank hold and send in a step
+    is what the real run held and sent."""
+    _, nd_dir, _, record_dir = capstone_run
+    nd = read_summary(nd_dir)
+    plan_file = tmp_path / "plan.json"
+    run_script("tools/plan_run.py", "--preset", "tiny", "--vocab", nd["model_config"]["vocab_size"],
+               "--nodes", 2, "--gpus-per-node", 4, "--tp", 2, "--pp", 2, "--global-batch", 16,
+               "--microbatches", 2, "--precision", "fp32", "--site", "jsc", "--json", plan_file,
+               env=script_env(), timeout=300)
+    plan = json.loads(plan_file.read_text())
+    assert [row["rank"] for row in plan["ranks"]] == [0, 4, 7]
+    memory = nd["memory"]
+    for row in plan["ranks"]:
+        rank = row["rank"]
+        ran = json.loads((record_dir / f"rank{rank}.json").read_text())
+        assert row["shapes"] == ran["shapes"]
+        assert row["params"] == nd["params_per_rank"][rank]
+        # measured on the built shards = measured in the run; the formula is the run's formula
+        for key in ("parameters", "gradients", "optimizer", "gathered"):
+            assert row["memory"][key] == memory[key][rank], f"rank {rank} {key}"
+        for key in (*CATEGORIES, "gathered"):
+            assert row["memory"]["formula"][key] == memory["formula"][key][rank], f"{rank} {key}"
+        assert relative_error(memory["activations"][rank], row["memory"]["activations"]) < 0.01
+        # every collective of a step on the mesh's groups: dimension, operation, bytes, calls
+        dims = {tuple(group): dim for dim, group in row["groups"].items()}
+        on_mesh = [c for c in ran["collectives"] if tuple(c["group"]) in dims]
+        recorded = Counter((dims[tuple(c["group"])], c["op"], c["bytes"]) for c in on_mesh)
+        planned = Counter()
+        for c in row["collectives"]:
+            planned[(c["dim"], c["op"], c["bytes"])] += c["calls"]
+        assert planned == recorded, f"rank {rank}"
+        # the others are the log line's, on all 8 ranks, at --log-every steps only
+        assert all(len(c["group"]) == 8 for c in ran["collectives"] if c not in on_mesh)
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_stop_with_one_clear_line(tmp_path,

@@ -142,7 +142,7 @@ def build_pipeline(model: TransformerLM, mesh, device, schedule: str, stages_per
     mine = stage_ids(mesh["pp"].get_local_rank(), pp, stages_per_rank)
     model, parts = split_rank_stages(model, mine, num_stages, layers_per_stage)
     reshard = schedule != "zero-bubble"  # (see apply_fsdp)
-    parts = [apply_fsdp(apply_tp(part, mesh["tp"]), mesh["dp"], reshard) for part in parts]
+    parts = [shard_stage(part, mesh, reshard) for part in parts]
     stages = [PipelineStage(part, i, num_stages, device, group=mesh["pp"].get_group())
               for part, i in zip(parts, mine)]
     return model, parts, stages
@@ -197,8 +197,9 @@ def lm_loss_sum(logits, targets):
                            ignore_index=IGNORE_INDEX)
 
 
-def check_degrees(args, cfg, world_size: int) -> None:
-    """Stop with one line saying what to change when the mesh, model or batch cannot be split."""
+def degree_problems(args, cfg, world_size: int) -> list[str]:
+    """Every reason the mesh, model or batch cannot be split, one line each saying what to change
+    (tools/plan_run.py asks the same questions before a job is submitted)."""
     problems = []
     if args.pp * args.dp * args.tp != world_size:
         problems.append(f"--pp {args.pp} x --dp {args.dp} x --tp {args.tp} must equal the "
@@ -235,8 +236,33 @@ def check_degrees(args, cfg, world_size: int) -> None:
     if args.schedule == "zero-bubble" and args.compile:
         problems.append("--schedule zero-bubble splits every backward in two, which torch "
                         "cannot do for compiled blocks: leave out --compile")
+    return problems
+
+
+def check_degrees(args, cfg, world_size: int) -> None:
+    """Stop with one line saying what to change when the mesh, model or batch cannot be split."""
+    problems = degree_problems(args, cfg, world_size)
     if problems:
         sys.exit("error: " + "; ".join(problems))
+
+
+def build_mesh(device_type: str, pp: int, dp: int, tp: int):
+    """The (pp, dp, tp) mesh: tp innermost (consecutive ranks, inside a node), pp outermost."""
+    return init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+
+
+def shard_stage(part: TransformerLM, mesh, reshard_after_forward: bool = True) -> TransformerLM:
+    """A pipeline stage's module split with TP inside the stage, then sharded with FSDP across
+    the replicas."""
+    return apply_fsdp(apply_tp(part, mesh["tp"]), mesh["dp"], reshard_after_forward)
+
+
+def parallelize(model: TransformerLM, mesh, layers_per_stage=None) -> TransformerLM:
+    """This rank's part of the model with one stage per rank (what tools/plan_run.py builds):
+    its pipeline stage, sharded as build_pipeline shards every stage."""
+    model = split_pipeline_stage(model, mesh["pp"].get_local_rank(), mesh["pp"].size(),
+                                 layers_per_stage)
+    return shard_stage(model, mesh)
 
 
 def main():
@@ -271,8 +297,7 @@ def main():
                      dropout=args.dropout, n_layers=args.n_layers)
     check_degrees(args, cfg, world_size)
     check_splits(corpus, cfg.max_seq_len, args.batch_size, args.dp)
-    mesh = init_device_mesh(device.type, (args.pp, args.dp, args.tp),
-                            mesh_dim_names=("pp", "dp", "tp"))
+    mesh = build_mesh(device.type, args.pp, args.dp, args.tp)
     dp_rank = mesh["dp"].get_local_rank()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     last_stage = args.pp - 1
