@@ -337,9 +337,9 @@ MISTAKES = [
        "from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, save0,"),
      ]),
     ("pp", PP, "the loss taken on every stage", 38,
-     [("            step_loss = (torch.stack(losses).mean() if stage.is_last\n"
+     [("            step_loss = (torch.stack(losses).detach().mean() if stage.is_last\n"
        "                         else torch.zeros((), device=device))",
-       "            step_loss = torch.stack(losses).mean()")]),
+       "            step_loss = torch.stack(losses).detach().mean()")]),
     ("pp", PP, "tokens counted per stage", 38,
      [("            throughput.step(x.numel())", "            throughput.step(x.numel() * world_size)")]),
     ("pp", PP, "save0 of one stage", 39,  # save0 as the exercise had it, and imports
@@ -557,9 +557,9 @@ CORRECT = [
        "            unit.reshard()\n",
        "    for block in model.layers.values():\n        block.reshard()\n    model.reshard()\n")]),
     ("ddp", DDP, "imports merged into the existing lines",
-     [("from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit",
+     [("from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit, pad_batch",
        "from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,\n"
-       "                        load_corpus_or_exit)"),
+       "                        load_corpus_or_exit, pad_batch)"),
       ("from utils.data import DistributedEvalSampler\n", "")]),
     ("ddp", DDP, "DistributedSampler with its defaults",
      [("DistributedSampler(train_ds, num_replicas=world_size, rank=rank,\n"

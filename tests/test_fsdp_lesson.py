@@ -113,7 +113,9 @@ def sharded_after_evaluation(rank, world_size, reshard_after_forward=True):
     from torch.distributed.tensor import DTensor
     model = sharded_model(reshard_after_forward=reshard_after_forward)
     x = batches(1, 4, model.cfg)[0].chunk(world_size)[rank]
-    load_solution().evaluate(model, [(x[:, :-1], x[:, 1:])], torch.device("cpu"))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:, :-1], x[:, 1:]),
+                                         batch_size=len(x))
+    load_solution().evaluate(model, loader, torch.device("cpu"))
     return [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
 
 

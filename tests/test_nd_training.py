@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from conftest import load_script, read_summary, run_script, script_env
+from conftest import assert_same_weights, load_script, read_summary, run_script, script_env
 from model import TransformerLM, get_config
 from utils.memory import CATEGORIES, relative_error
 
@@ -61,8 +61,7 @@ def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(capst
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that no process group exists here
         dcp.load(state, checkpoint_id=nd_dir / "final_model")
-    for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
-        torch.testing.assert_close(state[k], v, rtol=0, atol=3e-4, msg=lambda m: f"{k}: {m}")
+    assert_same_weights(state, ref_weights, atol=3e-4)
 
 
 @pytest.mark.slow
@@ -148,9 +147,7 @@ def test_two_stages_per_rank_train_like_one_process(schedule, theory, four_layer
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns that no process group exists here
         dcp.load(state, checkpoint_id=tmp_path / "final_model")
-    for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
-        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4,
-                                   msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(state, ref_weights)
 
 
 def test_stages_per_rank_that_do_not_fit_the_schedule_or_the_model_stop_with_one_line():

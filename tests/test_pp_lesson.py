@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import ROOT, read_summary, run_script, script_env
+from conftest import ROOT, assert_same_weights, read_summary, run_script, script_env
 from model import TransformerLM, get_config
 
 SOLUTION = ROOT / "solutions" / "train" / "pp_training.py"
@@ -93,8 +93,7 @@ def test_a_pipelined_run_s_checkpoint_loads_into_the_unsplit_model(pipeline_run,
         warnings.simplefilter("ignore")  # DCP warns that no process group exists here
         dcp.load(state, checkpoint_id=out / "final_model")
     model.load_state_dict(state)  # every key of the whole model was in the checkpoint
-    for k, v in ref_weights.items():  # AdamW magnifies 1e-8 gradient differences
-        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-4, msg=lambda m, k=k: f"{k}: {m}")
+    assert_same_weights(state, ref_weights)
 
 
 def test_stages_split_the_layers_and_together_hold_the_whole_model_under_its_own_names():

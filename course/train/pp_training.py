@@ -23,6 +23,7 @@ schedule it ran next to the theory's: OUT_DIR/pipeline_schedule.html (and .png).
 """
 
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -332,7 +333,7 @@ def main():
     if idle_history:  # the bubble: the measured idle share of every stage next to the theory
         # The median idle share of this stage's steps (the first one also sets the pipeline up),
         # gathered from every stage. (On a GPU each share is read now, not during training.)
-        idle = torch.tensor([float(f) for f in idle_history[1:] or idle_history]).median().item()
+        idle = statistics.median(float(f) for f in idle_history[1:] or idle_history)
         idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
                                            device=device))
         bubble, formula = bubble_formula(args.schedule, num_stages, args.microbatches)

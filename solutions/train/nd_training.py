@@ -35,6 +35,7 @@ Run it:
 
 import copy
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -386,7 +387,7 @@ def main():
     test_loss = evaluate(model, parts, test_loader, device, eval_schedule, has_first, has_last,
                          dp_group, pp_group, last_stage, args.precision)
     # (on a GPU each step's idle share is read now, not during training)
-    idle = torch.tensor([float(f) for f in idle_history[1:] or idle_history]).median().item()
+    idle = statistics.median(float(f) for f in idle_history[1:] or idle_history)
     idle = all_reduce_sum(torch.tensor([idle if r == rank else 0.0 for r in range(world_size)],
                                        device=device))
     bubble, formula = bubble_formula(args.schedule, args.pp, args.microbatches,
