@@ -43,6 +43,8 @@ def last_error_line(output: str) -> str | None:
     lines = [l for l in output.splitlines()
              if re.match(r"^(\[rank\d+\] )?(\w+\.)*\w*(Error|Exception)\b", l)
              or l.startswith("error:") or ": error: " in l]  # the last: argparse's
+    if not lines:  # a C++ exception that ended the process (gloo: "what():  [enforce fail ...")
+        lines = [l.split("what():", 1)[1] for l in output.splitlines() if "what():" in l]
     return lines[-1].strip() if lines else None
 
 
@@ -88,8 +90,13 @@ def rank_failure(run, rank: int) -> Failure | None:
                        innermost.get("line"), innermost.get("func"), callee)
     if ended != "exit 0":
         message = last_error_line(run.outputs[rank]) or f"ended with {ended} and no message"
-        if ended.startswith("exit -"):
-            message = f"killed by signal {ended.split('-')[-1]} ({message})"
+        if ended.startswith("exit -"):  # died of a signal on its own (gloo aborts on some
+            # errors): the probe's faulthandler wrote where it was
+            frames, callee = script_part(stack_frames(run.stacks[rank]), script)
+            innermost = frames[-1] if frames else {}
+            return Failure(rank, "signal", f"killed by signal {ended.split('-')[-1]} "
+                           f"({message})", frames, innermost.get("line"), innermost.get("func"),
+                           callee)
         return Failure(rank, "killed", message)
     if record is None:
         return Failure(rank, "killed", last_error_line(run.outputs[rank]) or "no record written")

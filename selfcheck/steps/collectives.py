@@ -13,13 +13,17 @@ prediction for a known model, and the trace reading on a gloo and an NCCL trace.
 from __future__ import annotations
 
 import json
+import re
 
+from selfcheck import slurm
 from selfcheck.compare import near
-from selfcheck.probe import LESSON_FIT, LESSON_PREDICT, lesson_traces
+from selfcheck.probe import (LESSON_FIT, LESSON_PREDICT, least_squares, lesson_fit_times,
+                             lesson_traces)
 from selfcheck.runs import Geometry, Run
 from selfcheck.steps.common import calls, report_crash
 
 FILE = "train/collectives.py"
+JOB_FILE = "collectives.sbatch"
 WHAT = "collectives by hand: ring all-reduce, alpha-beta fit, DDP's all-reduce per step"
 TODOS = {49: "send and receive", 50: "reduce-scatter", 51: "all-gather", 52: "alpha-beta fit",
          53: "DDP's all-reduce per step", 54: "all-reduce time in a trace"}
@@ -40,22 +44,33 @@ def check(ctx) -> None:
     trace, _ = lesson_traces()["cpu"]
     (trace_dir / "profile" / "rank0.1.pt.trace.json").write_text(json.dumps(trace))
     run = Run(ctx.work, "yours", ctx.script, 4, geometry=RING,
-              extra=[*ARGS, "--trace", str(trace_dir)]).wait()
+              extra=[*ARGS, "--trace", str(trace_dir)])
+    # the job file that runs the lesson on two nodes (the one next to the checked file's train/
+    # folder, else the repository's), with the stand-ins for Slurm
+    job_file = next((p for p in (ctx.script.parent.parent / JOB_FILE, ctx.root / JOB_FILE)
+                     if p.is_file()), None)
+    if job_file is not None:
+        slurm.judge_job_file(rep, JOB_FILE, job_file, ctx.work)
+    run.wait()
     # what the probe found out before a crash comes first (gloo aborts a rank that receives
     # a message of the wrong size: its record is lost, the others' are kept)
     lessons = [r["lesson"] for r in run.ranks if r and r.get("lesson")]
     if lessons:
         check_fit(ctx, lessons[0].get("fit"))
+        check_noisy_fit(ctx, lessons[0].get("fit_noisy"))
         check_prediction(ctx, lessons[0].get("predict"))
         check_trace(ctx, lessons[0].get("trace"))
         rings = {lesson["ring"]["rank"]: lesson["ring"] for lesson in lessons
                  if lesson.get("ring")}
         if rings:
             check_ring(ctx, run, rings)
+    check_requests(ctx, run)
     if run.crashed:
         failure = run.failure
         in_ring = failure is not None and failure.func in RING_PARTS
-        if not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
+        if failure is not None and check_sizes(ctx, run, failure):
+            pass
+        elif not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
             report_crash(ctx, run, cause=RING_CAUSE if in_ring and (
                 failure.kind in ("hung", "timeout") or failure.peer or "size" in
                 failure.message) else None)
@@ -63,6 +78,64 @@ def check(ctx) -> None:
 
 
 # ------------------------------------------------------------------------------ the ring
+SIZE_MISMATCH = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match|size mismatch",
+                           re.I)
+
+
+def check_requests(ctx, run) -> None:
+    """A request of isend or irecv that the script never waited for (dropped, it can cancel
+    the message: its receiver then waits forever)."""
+    rep = ctx.report
+    for record in run.ranks:
+        for entry in (record or {}).get("requests", []):
+            if entry["waited"] or not entry.get("dropped"):
+                continue
+            todo = RING_PARTS.get(entry["func"]) or ctx.todo_of(entry["line"])
+            if todo in rep.names and not rep.failed(todo):
+                rep.fail(todo, f"line {entry['line']} ({entry['func']}) never waits for the "
+                         f"request dist.{entry['name']} returns: keep every request of isend "
+                         "and irecv (or all that batch_isend_irecv returns) and wait() for each, "
+                         "the send's too; a request dropped unwaited can cancel its message, and "
+                         "the other rank waits forever")
+                rep.attempt(todo)
+            return
+
+
+def check_sizes(ctx, run, failure) -> bool:
+    """A message that arrived in a buffer of another size (gloo ends the receiving process):
+    the chunk received is not the chunk the left neighbour sends. True if reported."""
+    rep = ctx.report
+    texts = [failure.message, *failure.others.values(), run.output]
+    found = next((m for t in texts for m in [SIZE_MISMATCH.search(t or "")] if m), None)
+    if found is None:
+        return False
+    parts = [f["func"] for f in failure.frames if f["func"] in RING_PARTS]
+    outer = [p for p in parts if p != "send_right_receive_left"]
+    function = outer[-1] if outer else (parts[-1] if parts else "send_right_receive_left")
+    todo = RING_PARTS[function]
+    sizes = ""
+    if found.group(1):
+        got, room = int(found.group(1)), int(found.group(2))
+        sizes = (f": {got} bytes arrived in a buffer of {room} ({got // 4} elements into "
+                 f"{room // 4})")
+    who = f"rank {failure.rank}" if failure.rank is not None else "a rank"
+    where = f" (line {failure.line})" if failure.line else ""
+    if rep.failed(todo):
+        return True
+    rep.fail(todo, f"in {function}{where} {who} received a message of another size than its "
+             f"buffer{sizes}: in each step the chunk a rank receives must be the one its left "
+             "neighbour sends in that step, the same index on both sides: send chunk "
+             "(rank - s) % n, receive into a buffer the size of chunk (rank - s - 1) % n (the "
+             "chunks differ in size by one)" if todo == 50 else
+             f"in {function}{where} {who} received a message of another size than its "
+             f"buffer{sizes}: in step s send chunk (rank + 1 - s) % n and receive into chunk "
+             "(rank - s) % n, the one the left neighbour sends in the same step" if todo == 51
+             else f"in {function}{where} {who} received a message of another size than its "
+             f"buffer{sizes}: receive into `recv` exactly, from (rank - 1) % n")
+    rep.attempt(todo)
+    return True
+
+
 def collectives_in(run, function: str) -> list[str]:
     """The collectives (not point-to-point messages) a ring function of the script called."""
     names = ("dist.all_reduce", "dist.broadcast", "dist.all_gather", "dist.all_gather_single",
@@ -210,6 +283,33 @@ def check_fit(ctx, entry) -> None:
     else:
         rep.ok(52, f"latency {want_latency * 1e6:g} us and bus bandwidth {want_busbw / 1e9:g} GB/s "
                f"recovered from exact times on {n} ranks")
+
+
+def check_noisy_fit(ctx, entry) -> None:
+    """Measured times are never on a line: the fit must be least squares through all points
+    (a line through two of them, or a fit of some of them, follows their noise)."""
+    rep = ctx.report
+    if entry is None or rep.failed(52):
+        return
+    value = returned(entry, 52, rep, "fit_alpha_beta")
+    if not isinstance(value, list) or len(value) != 2 or any(isinstance(v, str) or v != v
+                                                              for v in value):
+        if value is not None:
+            rep.fail(52, f"on measured times (not exactly on a line) fit_alpha_beta returned "
+                     f"{value}: return (latency, busbw) of the least-squares line")
+        return
+    f = LESSON_FIT
+    n = f["world_size"]
+    intercept, slope = least_squares(f["sizes"], lesson_fit_times(noisy=True))
+    want_latency, want_busbw = intercept, (1 / slope) * 2 * (n - 1) / n
+    latency, busbw = value
+    if near(latency, want_latency, 1e-6, 1e-12) and near(busbw, want_busbw, 1e-6, 0):
+        return
+    rep.fail(52, f"on times a few per cent off a line (as measured times are) fit_alpha_beta "
+             f"gives latency {latency * 1e6:.4g} us and bus bandwidth {busbw / 1e9:.4g} GB/s, "
+             f"the least-squares line through all {len(f['sizes'])} points {want_latency * 1e6:.4g} "
+             f"us and {want_busbw / 1e9:.4g} GB/s: fit every point by least squares (a line "
+             "through two points follows their noise)")
 
 
 def ddp_buckets(p: dict) -> list[int]:
