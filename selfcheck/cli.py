@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import traceback
@@ -80,6 +81,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted")
         return 130
+    except BrokenPipeError:  # `python check.py ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - the check never shows a traceback of its own
@@ -122,7 +126,8 @@ def run_step(args, work: Path) -> int:
     owner = Ownership(source, text)
     report = Report(module.TODOS, owner.status())
     ctx = Context(args.step, target, work, source, text, report, owner, root=ROOT)
-    print(f"Checking {target} ({module.WHAT}) ...", flush=True)
+    what = module.what_of(text) if hasattr(module, "what_of") else module.WHAT
+    print(f"Checking {target} ({what}) ...", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     write_tiny_text(work / "data")

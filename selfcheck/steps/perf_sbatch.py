@@ -17,7 +17,8 @@ ARGS = ("--max-steps", "5")
 
 
 def show(script, work) -> list[str]:
-    return slurm.describe(slurm.submit(script, work, args=ARGS, env_extra={"NSYS": "1"}))
+    return slurm.describe(slurm.submit(script, work, args=ARGS, env_extra={"NSYS": "1"}),
+                          script.read_text())
 
 
 def option(words, *names):
