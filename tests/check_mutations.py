@@ -463,32 +463,43 @@ MISTAKES = [
                 and e.get("name", "").startswith("ProfilerStep#"))""",
        """    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))""")]),
     # ---- memory ------------------------------------------------------------------------
-    ("memory", MEM, "the loss not divided by the micro-batches", 55,
-     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
-       "F.cross_entropy(logits.flatten(0, 1), y.flatten())")]),
-    ("memory", MEM, "only the logged loss divided, backward on the whole", 55,
-     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
-       "                loss.backward()\n",
-       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
-       "                loss.backward()\n"
-       "                loss = loss / args.grad_accum\n")]),
-    ("memory", MEM, "no no_sync: an all-reduce every micro-batch", 55,
-     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
-       "with contextlib.nullcontext():")]),
-    ("memory", MEM, "no_sync on the last micro-batch instead of the others", 55,
-     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
-       "with no_gradient_sync(model) if last else contextlib.nullcontext():")]),
-    ("memory", MEM, "the whole model checkpointed as one piece", 56,
+    ("memory", MEM, "the whole model checkpointed as one piece", 55,
      [("    for name in list(model.layers):\n"
        "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
        "    return model",
        "    return checkpoint_wrapper(model)")]),
-    ("memory", MEM, "only the MLP of each block checkpointed", 56,
+    ("memory", MEM, "only the MLP of each block checkpointed", 55,
      [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
        "        model.layers[name].mlp = checkpoint_wrapper(model.layers[name].mlp)")]),
-    ("memory", MEM, "the wrapped blocks not put back", 56,
+    ("memory", MEM, "the wrapped blocks not put back", 55,
      [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
        "        checkpoint_wrapper(model.layers[name])")]),
+    ("memory", MEM, "only the first block checkpointed", 55,
+     [("    for name in list(model.layers):\n",
+       "    for name in list(model.layers)[:1]:\n")]),
+    ("memory", MEM, "zero2 reshards after forward too", 56,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       "options = dict(reshard_after_forward=True)")]),
+    ("memory", MEM, "offload without CPUOffloadPolicy", 56,
+     [('        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())',
+       "        pass")]),
+    ("memory", MEM, "offload keeps the gathered weights", 56,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       'options = dict(reshard_after_forward=layout == "zero3")')]),
+    ("memory", MEM, "only the root sharded", 56,
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
+    ("memory", MEM, "the blocks sharded, the root left whole", 56,
+     [("    fully_shard(model, **{k: v for k, v in options.items() if k != \"reshard_after_forward\"})\n",
+       "")]),
+    ("memory", MEM, "only the blocks offloaded, the root kept on the device", 56,
+     [("    fully_shard(model, **{k: v for k, v in options.items() if k != \"reshard_after_forward\"})\n",
+       "    fully_shard(model)\n")]),
+    ("memory", MEM, "zero3 keeps the gathered weights as zero2 does", 56,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       'options = dict(reshard_after_forward=layout == "offload")')]),
+    ("memory", MEM, "offload's host memory never pinned on a GPU", 56,
+     [("CPUOffloadPolicy(pin_memory=torch.cuda.is_available())",
+       "CPUOffloadPolicy(pin_memory=False)")]),
     ("memory", MEM, "ZeroRedundancyOptimizer of SGD", 57,
      [("optimizer_class=torch.optim.AdamW,\n", "optimizer_class=torch.optim.SGD,\n")]),
     ("memory", MEM, "zero1 left with a plain AdamW", 57,
@@ -497,17 +508,46 @@ MISTAKES = [
     ("memory", MEM, "ZeroRedundancyOptimizer without AdamW's arguments", 57,
      [("optimizer_class=torch.optim.AdamW,\n                                            **adamw)",
        "optimizer_class=torch.optim.AdamW)")]),
-    ("memory", MEM, "zero2 reshards after forward too", 58,
-     [('options = dict(reshard_after_forward=layout != "zero2")',
-       "options = dict(reshard_after_forward=True)")]),
-    ("memory", MEM, "offload without CPUOffloadPolicy", 58,
-     [('        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())',
-       "        pass")]),
-    ("memory", MEM, "offload keeps the gathered weights", 58,
-     [('options = dict(reshard_after_forward=layout != "zero2")',
-       'options = dict(reshard_after_forward=layout == "zero3")')]),
-    ("memory", MEM, "only the root sharded", 58,
-     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
+    ("memory", MEM, "ZeroRedundancyOptimizer for the ddp layout too", 57,
+     [('    if args.layout == "zero1":\n        optimizer = ZeroRedundancyOptimizer(',
+       '    if args.layout in ("ddp", "zero1"):\n        optimizer = ZeroRedundancyOptimizer(')]),
+    ("memory", MEM, "the loss not divided by the micro-batches", 58,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten())")]),
+    ("memory", MEM, "only the logged loss divided, backward on the whole", 58,
+     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                loss.backward()\n"
+       "                loss = loss / args.grad_accum\n")]),
+    ("memory", MEM, "no no_sync: an all-reduce every micro-batch", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext():")]),
+    ("memory", MEM, "no_sync on the last micro-batch instead of the others", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with no_gradient_sync(model) if last else contextlib.nullcontext():")]),
+    ("memory", MEM, "the forward outside no_sync, as the wording 'backward inside' reads", 58,
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n"
+       "                with autocast(args.precision, device):\n"
+       "                    logits = model(x)\n"
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "            with autocast(args.precision, device):\n"
+       "                logits = model(x)\n"
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "            with contextlib.nullcontext() if last else no_gradient_sync(model):\n"
+       "                loss.backward()\n")]),
+    ("memory", MEM, "DDP's no_sync() called on every layout (FSDP2 has none)", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("memory", MEM, "divided by the micro-batches only under DDP", 58,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
+       "                        args.grad_accum if isinstance(model, DDP) else 1)")]),
+    ("memory", MEM, "no_sync skipped for the FSDP layouts", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last or not isinstance(model, DDP) else "
+       "no_gradient_sync(model):")]),
 ]
 
 # Right solutions written another way: the check must call them all good.
@@ -589,9 +629,31 @@ CORRECT = [
     for e in kernels or gloo:
         total_ms += e["dur"] / 1000
     return total_ms / steps / 1000""")]),
-    ("memory", MEM, "no_sync through DDP's own method",
-     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
-       "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("memory", MEM, "DDP's no_sync and FSDP2's own switch written out in the loop",
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n",
+       "            if isinstance(model, DDP):\n"
+       "                context = contextlib.nullcontext() if last else model.no_sync()\n"
+       "            else:\n"
+       "                model.set_requires_gradient_sync(last)\n"
+       "                context = contextlib.nullcontext()\n"
+       "            with context:\n")]),
+    ("memory", MEM, "nanoGPT's require_backward_grad_sync",
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n",
+       "            if isinstance(model, DDP):  # DDP reads it in forward\n"
+       "                model.require_backward_grad_sync = last\n"
+       "            else:\n"
+       "                model.set_requires_gradient_sync(last)\n"
+       "            with contextlib.nullcontext():\n")]),
+    ("memory", MEM, "torch's own apply_activation_checkpointing on the blocks",
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
+       "    return model",
+       "    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+       "        apply_activation_checkpointing as wrap_modules)\n"
+       "    blocks = set(model.layers.values())\n"
+       "    wrap_modules(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
+       "                 check_fn=lambda module: module in blocks)\n"
+       "    return model")]),
     ("memory", MEM, "the loss divided after the autocast block",
      [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n",
        "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
