@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import sys
@@ -121,6 +122,11 @@ def run_step(args, work: Path) -> int:
         work.mkdir(parents=True)
         print("\n".join(module.show(target, work)))
         return 0
+    if getattr(module, "NEEDS_TORCH", True) and importlib.util.find_spec("torch") is None:
+        print(f"error: this Python ({sys.executable}) has no torch: activate the course's "
+              f"environment first, source .venv/bin/activate (setup_env.sh made it), or run "
+              f".venv/bin/python check.py {args.step}")
+        return 2
     source = (ROOT / "course" / module.FILE).read_text()
     text = target.read_text(errors="replace")
     owner = Ownership(source, text)

@@ -48,6 +48,18 @@ def last_error_line(output: str) -> str | None:
     return lines[-1].strip() if lines else None
 
 
+def first_line(message: str) -> str:
+    """The error's first line, with a module's repr that starts there closed ("... forward:
+    ModuleDict(" becomes "... forward: ModuleDict(...)"): the lines after it are the module."""
+    if not message.strip():
+        return message
+    line = message.strip().splitlines()[0][:300]
+    opened = {"(": ")", "[": "]", "{": "}"}
+    if line and line[-1] in opened:
+        line += "..." + opened[line[-1]]
+    return line
+
+
 def stack_frames(stack: str) -> list[dict]:
     """All frames of a faulthandler dump, outermost first (it lists the innermost first)."""
     frames = [{"file": m.group(1), "line": int(m.group(2)), "func": m.group(3)}
@@ -83,7 +95,7 @@ def rank_failure(run, rank: int) -> Failure | None:
         error = record["error"]
         message = error["message"] or last_error_line(run.outputs[rank]) or \
             f"exit code {ended.split()[-1]}"
-        message = message.strip().splitlines()[0][:300] if message.strip() else message
+        message = first_line(message)
         frames, callee = script_part(error["frames"], script)
         innermost = frames[-1] if frames else {}
         return Failure(rank, "exit" if error["exit"] else "error", message, frames,

@@ -239,8 +239,9 @@ class Probe:
                 probe.note_call(name, **extra)
             return before
 
-        def group_size(*a, **k):
-            group = k.get("group", a[1] if len(a) > 1 else None)
+        def group_size(*a, _at=1, **k):
+            """The size of the group a reduction runs over (the argument at `_at`)."""
+            group = k.get("group", a[_at] if len(a) > _at else None)
             try:
                 return dist.get_world_size(group) if dist.is_initialized() else 1
             except Exception:  # noqa: BLE001 - a group this rank is not in
@@ -273,7 +274,8 @@ class Probe:
         def reduce_op(*a, **k):
             return str(k.get("op", a[1] if len(a) > 1 else "SUM"))
 
-        wrap(dist, "all_reduce", before=called("dist.all_reduce", group_size=group_size,
+        wrap(dist, "all_reduce", before=called("dist.all_reduce",  # (tensor, op, group)
+                                               group_size=functools.partial(group_size, _at=2),
                                                op=reduce_op))
         wrap(dist, "broadcast", before=called("dist.broadcast", src=broadcast_src))
         wrap(dist, "destroy_process_group", before=destroying("dist.destroy_process_group"))

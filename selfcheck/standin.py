@@ -32,6 +32,7 @@ Everything lands in the rank's record under "gpu" (see `install`); the helpers b
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import types
@@ -338,6 +339,18 @@ def install(probe) -> None:
 
     # -- what the script prints, in the timeline
     probe.on_print = lambda text, line: event("print", line, text=text[:120])
+
+
+# what the stand-in cannot follow (a script that reaches for a real GPU itself: x.cuda(), a
+# torch.device("cuda") of its own, CUDA streams): not the script's mistake, not judged
+LIMITS = re.compile(r"not compiled with CUDA|No CUDA GPUs|Found no NVIDIA driver|CUDA driver|"
+                    r"NVTX functions not installed|cudaGetDeviceCount|no CUDA-capable device|"
+                    r"Cannot access accelerator device", re.I)
+
+
+def beyond_the_standin(failure) -> bool:
+    """Whether a stand-in run stopped because it met real CUDA (see LIMITS)."""
+    return failure is not None and bool(LIMITS.search(failure.message or ""))
 
 
 # ------------------------------------------------------------------------ reading the record

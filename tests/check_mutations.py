@@ -64,6 +64,12 @@ MISTAKES = [
     ("ddp", DDP, "the loop trains the unwrapped model", 5,
      [('    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n',
        '    ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n')]),
+    ("ddp", DDP, "device_ids by the global rank (GPU 2 on a node of 2)", 5,
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)')]),
+    ("ddp", DDP, "every process of a node on GPU 0", 5,
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[0] if torch.cuda.is_available() else None)')]),
     ("ddp", DDP, "no set_epoch", 6, [("        train_sampler.set_epoch(epoch)\n", "")]),
     ("ddp", DDP, "set_epoch(0)", 6,
      [("train_sampler.set_epoch(epoch)", "train_sampler.set_epoch(0)")]),
@@ -140,6 +146,12 @@ MISTAKES = [
      [("    for block in model.layers.values():\n"
        "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
        "                    mp_policy=MixedPrecisionPolicy(**policy))\n", "")]),
+    ("fsdp", FSDP, "the ModuleDict of blocks sharded as one", 18,
+     [("    for block in model.layers.values():\n"
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n",
+       "    fully_shard(model.layers, reshard_after_forward=reshard_after_forward,\n"
+       "                mp_policy=MixedPrecisionPolicy(**policy))\n")]),
     ("fsdp", FSDP, "the blocks but not the root", 18,
      [("    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))\n",
        "")]),
@@ -276,6 +288,12 @@ MISTAKES = [
      [("        data_parallel_size=dp_size, tensor_parallel_size=args.tp,\n"
        "        params_per_rank=local_params, memory=monitor.memory)",
        "        params_per_rank=local_params, memory=monitor.memory)")]),
+    ("tp", TP, "the loss averaged over all processes, TP copies included", 31,
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       "step_loss = all_reduce_mean(loss.detach())")]),
+    ("tp", TP, "the loss averaged over the TP group instead of the replicas", 31,
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       'step_loss = all_reduce_mean(loss.detach(), group=mesh["tp"].get_group())')]),
     ("tp", TP, "save0 of the TP model", 32,  # save0 as the exercise had it, and imports
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    save0(model, out_dir / "final_model.pt")'),
@@ -290,6 +308,14 @@ MISTAKES = [
        "ignore_index=IGNORE_INDEX).full_tensor()",
        "        loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction=\"sum\",\n"
        "                                    ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "evaluation sums added up over all processes", 33,
+     [("loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)",
+       "loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)")]),
+    ("tp", TP, "evaluation over the TP group", 33,
+     [("val_loss = evaluate(model, val_loader, device, dp_group)",
+       'val_loss = evaluate(model, val_loader, device, mesh["tp"].get_group())'),
+      ("test_loss = evaluate(model, test_loader, device, dp_group)",
+       'test_loss = evaluate(model, test_loader, device, mesh["tp"].get_group())')]),
     ("tp", TP, "no reshard after evaluation", 33,
      [("    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n",
        "")]),
@@ -371,6 +397,46 @@ MISTAKES = [
      [("            interval_tokens += x.numel() * world_size", "            interval_tokens += x.numel()")]),
     ("perf", PERF, "the peak not said", 42,
      [('    print0(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")\n', "")]),
+    ("perf", PERF, "the clock read before synchronize", 42,
+     [("                synchronize(device)\n"
+       "                rate = interval_tokens / (time.perf_counter() - interval_start)\n",
+       "                rate = interval_tokens / (time.perf_counter() - interval_start)\n"
+       "                synchronize(device)\n")]),
+    ("perf", PERF, "synchronize before the optimizer step is queued", 42,
+     [("                synchronize(device)\n", ""),
+      ('            with annotate("optimizer", device):\n                optimizer.step()\n',
+       '            synchronize(device)\n'
+       '            with annotate("optimizer", device):\n                optimizer.step()\n')]),
+    ("perf", PERF, "the profiler records the CPU only, also on a GPU", 43,
+     [("    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == \"cuda\" else [])",
+       "    activities = [ProfilerActivity.CPU]")]),
+    ("perf", PERF, "the operator table sorted by CPU time on a GPU", 43,
+     [('sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"',
+       'sort_by = "self_cpu_time_total"')]),
+    ("perf", PERF, "the profiler stepped at the log steps only", 43,
+     [("            if profiler is not None:\n                profiler.step()\n", ""),
+      ("                interval_tokens, interval_start = 0, time.perf_counter()\n",
+       "                interval_tokens, interval_start = 0, time.perf_counter()\n"
+       "                if profiler is not None:\n                    profiler.step()\n")]),
+    ("perf", PERF, "no NVTX range on a GPU", 44,
+     [('    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n',
+       "")]),
+    ("perf", PERF, "NVTX instead of record_function on a GPU", 44,
+     [("    ranges.enter_context(record_function(name))\n"
+       '    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n',
+       '    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n'
+       "    else:\n        ranges.enter_context(record_function(name))\n")]),
+    ("perf", PERF, "set_precision's answer not kept (auto stays auto)", 45,
+     [("args.precision = set_precision(args.precision, device)",
+       "set_precision(args.precision, device)")]),
+    ("perf", PERF, "auto taken for fp32", 45,
+     [("args.precision = set_precision(args.precision, device)",
+       'args.precision = set_precision("fp32" if args.precision == "auto" else args.precision, '
+       "device)")]),
+    ("perf", PERF, "fused when the device equals the string 'cuda'", 46,
+     [('fused=device.type == "cuda")', 'fused=device == "cuda")')]),
+    ("perf", PERF, "fused only with --device cuda", 46,
+     [('fused=device.type == "cuda")', 'fused=args.device == "cuda")')]),
     ("perf", PERF, "no profiler.step", 43,
      [("            if profiler is not None:\n                profiler.step()\n", "")]),
     ("perf", PERF, "no operator table", 43,
@@ -422,6 +488,14 @@ MISTAKES = [
        "                                       dist.P2POp(dist.irecv, recv, left)])\n"
        "    for request in requests:\n        request.wait()\n",
        "    dist.send(send, right)\n    dist.recv(recv, left)\n")]),
+    ("collectives", COLL, "the send's request never waited for", 49,
+     [("    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),\n"
+       "                                       dist.P2POp(dist.irecv, recv, left)])\n"
+       "    for request in requests:\n        request.wait()\n",
+       "    dist.isend(send, right)\n    dist.irecv(recv, left).wait()\n")]),
+    ("collectives", COLL, "the receive buffer sized like the chunk sent", 50,
+     [("        received = torch.empty_like(chunks[into])",
+       "        received = torch.empty_like(chunks[send])")]),
     ("collectives", COLL, "the sum kept in the list, not in the tensor", 50,
      [("chunks[into] += received", "chunks[into] = chunks[into] + received")]),
     ("collectives", COLL, "the received chunk overwrites instead of adding", 50,
@@ -443,6 +517,18 @@ MISTAKES = [
     ("collectives", COLL, "all-gather's bus factor for an all-reduce", 52,
      [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
        "return latency, (1 / slope) * (world_size - 1) / world_size")]),
+    ("collectives", COLL, "a line through the first and the last point", 52,
+     [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    latency = mean_y - slope * mean_x
+""", """    slope = (seconds[-1] - seconds[0]) / (sizes[-1] - sizes[0])
+    latency = seconds[0] - slope * sizes[0]
+""")]),
+    ("collectives", COLL, "the small messages left out of the fit", 52,
+     [("    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)\n",
+       "    sizes, seconds = sizes[len(sizes) // 2:], seconds[len(seconds) // 2:]  # bandwidth-bound\n"
+       "    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)\n")]),
     ("collectives", COLL, "the ring's 2 (n - 1) / n forgotten", 53,
      [("latency + nbytes * factor / busbw", "latency + nbytes / busbw")]),
     ("collectives", COLL, "all-gather's factor for DDP's all-reduce", 53,
@@ -488,6 +574,9 @@ MISTAKES = [
        'options = dict(reshard_after_forward=layout == "zero3")')]),
     ("memory", MEM, "only the root sharded", 56,
      [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
+    ("memory", MEM, "the ModuleDict of blocks sharded as one", 56,
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n",
+       "    fully_shard(model.layers, **options)\n")]),
     ("memory", MEM, "the blocks sharded, the root left whole", 56,
      [("    fully_shard(model, **{k: v for k, v in options.items() if k != \"reshard_after_forward\"})\n",
        "")]),
@@ -549,6 +638,26 @@ MISTAKES = [
        "with contextlib.nullcontext() if last or not isinstance(model, DDP) else "
        "no_gradient_sync(model):")]),
 ]
+
+# Words the FIX line of a mistake must hold (what to change, named): what -> words.
+MESSAGES = {
+    "ZeroRedundancyOptimizer without AdamW's arguments": ("weight_decay=", "lr=args.lr"),
+    "only the root sharded": ("only the root", "fully_shard(block"),
+    "the ModuleDict of blocks sharded as one": ("ModuleDict(...)", "each block of model.layers"),
+    "DDP's no_sync() called on every layout (FSDP2 has none)": ("no_gradient_sync(model)",),
+    "the forward outside no_sync, as the wording 'backward inside' reads": ("forward pass too",),
+    "offload's host memory never pinned on a GPU": ("on a GPU", "pin_memory="),
+    "the send's request never waited for": ("never waits for the request", "wait()"),
+    "the receive buffer sized like the chunk sent": ("bytes arrived in a buffer",),
+    "a line through the first and the last point": ("least squares",),
+    "device_ids by the global rank (GPU 2 on a node of 2)": ("2 nodes x 2 GPUs",
+                                                             "device_ids=[local_rank]"),
+    "the clock read before synchronize": ("synchronize(device)",),
+    "the profiler records the CPU only, also on a GPU": ("ProfilerActivity.CUDA",),
+    "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
+    "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
+    "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+}
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
@@ -629,6 +738,27 @@ CORRECT = [
     for e in kernels or gloo:
         total_ms += e["dur"] / 1000
     return total_ms / steps / 1000""")]),
+    ("ddp", DDP, "device_ids from the device itself",
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[device] if torch.cuda.is_available() else None)')]),
+    ("perf", PERF, "fused from the device's name",
+     [('fused=device.type == "cuda")', 'fused=str(device).startswith("cuda"))')]),
+    ("perf", PERF, "torch.cuda.synchronize written out",
+     [("                synchronize(device)\n",
+       '                if device.type == "cuda":\n                    torch.cuda.synchronize()\n')]),
+    ("tp", TP, "the loss reduced with dist.all_reduce on the dp group",
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       "step_loss = loss.detach().clone()\n"
+       "            torch.distributed.all_reduce(step_loss, group=dp_group)\n"
+       "            step_loss /= dp_size")]),
+    ("collectives", COLL, "the fit by numpy.polyfit",
+     [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    latency = mean_y - slope * mean_x
+""", """    import numpy
+    slope, latency = (float(v) for v in numpy.polyfit(sizes, seconds, 1))
+""")]),
     ("memory", MEM, "DDP's no_sync and FSDP2's own switch written out in the loop",
      [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n",
        "            if isinstance(model, DDP):\n"
@@ -670,4 +800,27 @@ CORRECT = [
     ("memory", MEM, "the FSDP options written out per layout",
      [('    options = dict(reshard_after_forward=layout != "zero2")\n',
        '    options = {"reshard_after_forward": layout in ("zero3", "offload")}\n')]),
+]
+
+# Job files without TODOs (collectives.sbatch, preflight.sbatch): a mistake is named on the job
+# file's own line, by `python check.py sbatch FILE` and, for collectives.sbatch, by
+# `python check.py collectives` too.   (step, job file, what goes wrong, [(old, new), ...])
+JOB_FILE_MISTAKES = [
+    ("sbatch", "collectives.sbatch", "the GPUs counted by $SLURM_GPUS_PER_NODE inside bash -c",
+     [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
+       '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$SLURM_GPUS_PER_NODE"')]),
+    ("collectives", "collectives.sbatch", "the GPUs counted by $SLURM_GPUS_PER_NODE inside bash -c",
+     [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
+       '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$SLURM_GPUS_PER_NODE"')]),
+    ("collectives", "collectives.sbatch", "$SLURM_GPUS_PER_NODE on one node, under set -u",
+     [('torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" "$@"',
+       'torchrun --standalone --nproc_per_node="$SLURM_GPUS_PER_NODE" "$@"')]),
+    ("sbatch", "preflight.sbatch", "one process per node in the rendezvous test",
+     [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
+       '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node=1')]),
+]
+JOB_FILE_CORRECT = [
+    ("sbatch", "collectives.sbatch", "the processes per node from Slurm's SLURM_GPUS_ON_NODE",
+     [("export NPROC_PER_NODE=${NPROC_PER_NODE:-gpu}",
+       "export NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-gpu}}")]),
 ]

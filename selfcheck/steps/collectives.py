@@ -421,34 +421,39 @@ HINTS = {
     49: ("A ring step moves one tensor to the next rank while the previous rank's tensor "
          "arrives. If every rank first sent and then received, every rank would wait in its "
          "send for a receive that nobody posts yet.",
-         "Non-blocking point-to-point: dist.P2POp(dist.isend, send, (rank + 1) % n) and "
-         "dist.P2POp(dist.irecv, recv, (rank - 1) % n) in dist.batch_isend_irecv([...]), then "
-         "wait() on every request it returns."),
+         "torch.distributed's non-blocking point-to-point calls, in send_right_receive_left: "
+         "isend to the right neighbour and irecv from the left (or both as P2POps given to "
+         "batch_isend_irecv); each returns a request: post both, then wait() for every one."),
     50: ("Reduce-scatter: the tensor is cut into n chunks; in n - 1 steps each chunk travels "
          "once around the ring, and every rank it passes adds its own part, so that after the "
          "last step each rank holds one chunk that has visited everybody.",
-         "for step in range(n - 1): send chunks[(rank - step) % n] with send_right_receive_left "
-         "and receive into torch.empty_like(chunks[(rank - step - 1) % n]), then "
-         "chunks[(rank - step - 1) % n] += received (in place: the chunks are views)."),
+         "In ring_reduce_scatter: n - 1 calls of send_right_receive_left, one per step; the "
+         "chunk sent and the chunk added into move back by one each step (the TODO comment has "
+         "their indices); receive into a fresh buffer of that chunk's size (torch.empty_like) "
+         "and add it in place, since the chunks are views of the tensor."),
     51: ("All-gather: every rank now has one complete chunk. n - 1 more steps pass them on "
          "around the ring until every rank has all of them; nothing is added any more.",
-         "for step in range(n - 1): send_right_receive_left(chunks[(rank + 1 - step) % n], "
-         "chunks[(rank - step) % n]): receive straight into place."),
+         "In ring_all_gather: n - 1 more calls of send_right_receive_left, each sending the "
+         "chunk this rank completed last and receiving straight into the chunk its left "
+         "neighbour completed (no buffer, no addition)."),
     52: ("The alpha-beta model: a message of S bytes takes latency + S / bandwidth. Measured "
-         "times against sizes lie on a straight line; its intercept is the latency, its slope "
+         "times against sizes lie near a straight line; its intercept is the latency, its slope "
          "1 / (algorithm bandwidth). The bus bandwidth, what each link carried, is the "
          "algorithm bandwidth times 2 (n - 1) / n for an all-reduce.",
-         "Least squares: slope = sum((x - mean_x) (y - mean_y)) / sum((x - mean_x)^2), latency "
-         "= mean_y - slope mean_x; return latency, (1 / slope) x 2 (world_size - 1) / "
-         "world_size."),
+         "In fit_alpha_beta: an ordinary least-squares line through all the points, seconds "
+         "against bytes (by hand from the means, as the TODO comment writes it, or "
+         "statistics.linear_regression); its intercept is the latency; the slope gives the "
+         "algorithm bandwidth, the all-reduce's factor turns that into the bus bandwidth."),
     53: ("DDP all-reduces the gradients bucket by bucket (ddp_bucket_bytes lists them). Each "
          "all-reduce pays the latency once and moves 2 (n - 1) / n of its bytes over each link.",
-         "factor = 2 * (world_size - 1) / world_size; return the sum over nbytes in buckets of "
-         "latency + nbytes * factor / busbw (seconds)."),
+         "In predict_ddp_allreduce_s, over the buckets it already has: the alpha-beta time of "
+         "one ring all-reduce per bucket (its latency, and its bytes times the ring's factor "
+         "over the bus bandwidth), added up, in seconds."),
     54: ("A profiler trace is a list of events, each with a name, a category and a duration in "
          "microseconds. The all-reduce time is in the events that do the work (NCCL kernels on a "
          "GPU, gloo's ranges on a CPU), not in those that only launch them.",
-         "steps: events with cat 'user_annotation' whose name starts with 'ProfilerStep#'; "
-         "all-reduces: cat 'kernel' with 'AllReduce' in the name, or if there are none, "
-         "'gloo:all_reduce' ranges; sum(dur) / 1e6 / steps."),
+         "In allreduce_seconds_per_step: filter trace['traceEvents'] by their 'cat' and 'name': "
+         "the step markers (ProfilerStep#N, counted once: the CPU-side category), and the "
+         "all-reduces (the kernels with AllReduce in the name, else gloo's own ranges); add up "
+         "their 'dur' (microseconds) per profiled step."),
 }

@@ -112,6 +112,10 @@ KNOWN_CAUSES = [
      "the script's parser has no such option yet"),
     (r"Profiler must be initialized", "the profiler recorded no step: call profiler.step() "
      "after every training step"),
+    (r"does not support containers that do not implement forward",
+     "fully_shard takes a module that computes something: each block of model.layers (for "
+     "block in model.layers.values(): fully_shard(block, ...)), not the ModuleDict that holds "
+     "them; then the whole model"),
     (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
      "tensor shapes do not fit: a layer split or kept where it should not be"),
 ]

@@ -103,6 +103,10 @@ def report_run_crash(ctx, key, run) -> None:
         cause = ("FSDP2's modules have no no_sync(): no_gradient_sync(model) calls DDP's "
                  "no_sync() or FSDP2's set_requires_gradient_sync(False), whichever the model is")
         todo = ACCUMULATION
+    if key == ON_A_GPU and standin.beyond_the_standin(f):
+        rep.note(f"(the check's stand-in GPU could not follow line {f.line}: {f.message}; the "
+                 f"{flags(key)} run is not judged)")
+        return
     target = todo or (crash_todo(ctx, f) if f else None) or default
     if rep.failed(target):
         return  # said already, for another run

@@ -151,10 +151,8 @@ def check_reports(ctx, run) -> None:
                      f"({tokens_per_step} tokens per step on {world} ranks): count the tokens of "
                      "all ranks, interval_tokens += x.numel() * world_size")
             return
-    if r0.get("synchronize", 0) < len(reports):
-        rep.fail(42, "synchronize(device) before reading the clock for each report: a GPU runs "
-                 "behind Python, and the time would be only how long queuing the work took")
-        return
+    # (synchronize: judged on the stand-in GPU, where the script's cuda branches run: see
+    # check_on_a_gpu)
     if not rep.failed(42):
         rep.ok(42, f"{len(reports)} step lines report tokens/s and MFU per device, both right, "
                "against the peak it prints")
@@ -282,6 +280,7 @@ def check_fused_and_compile(ctx, run, fast) -> None:
     adamw = fast.ranks[0].get("adamw", [])
     if any("fused" in kwargs for kwargs in adamw):
         rep.attempt(46)
+        rep.ok(46, "AdamW is asked for fused")
     else:
         rep.fail(46, "torch.optim.AdamW(..., fused=device.type == 'cuda'): one kernel for all "
                  "parameters on a GPU")
@@ -308,7 +307,10 @@ def check_on_a_gpu(ctx, run, gpu, profiling) -> None:
     rep = ctx.report
     if gpu.crashed:
         f = gpu.failure
-        if not run.crashed and f is not None:
+        if standin.beyond_the_standin(f):
+            rep.note(f"(the check's stand-in GPU could not follow line {f.line}: {f.message}; "
+                     "what only a GPU shows is not judged)")
+        elif not run.crashed and f is not None:
             todo = crash_todo(ctx, f)
             if todo in rep.names and not rep.failed(todo):
                 rep.fail(todo, f"on a GPU (the check's stand-in) the run would stop"

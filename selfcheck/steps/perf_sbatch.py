@@ -12,6 +12,7 @@ from selfcheck.steps.sbatch import stopped
 
 FILE = "perf_training.sbatch"
 WHAT = "the performance job file: Nsight Systems"
+NEEDS_TORCH = False  # bash and the stand-ins for Slurm only
 TODOS = {48: "Nsight Systems"}
 ARGS = ("--max-steps", "5")
 

@@ -17,6 +17,7 @@ from selfcheck import slurm
 
 FILE = "to_distributed_training.sbatch"
 WHAT = "the DDP job file: GPUs, master address, port, torchrun"
+NEEDS_TORCH = False  # bash and the stand-ins for Slurm only
 TODOS = {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node", 16: "two nodes"}
 GPUS_PER_NODE = 4
 SCRIPT = "train/to_distributed_training.py"
