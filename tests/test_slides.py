@@ -36,6 +36,13 @@ IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 # Code is readable from the back of a room down to this size on a 1280 x 720 slide (marp
 # shrinks a wide code block until it fits: a long line makes all of the block small).
 MIN_CODE_PX = 18.0
+# The fonts every deck pins in its style (test_every_deck_pins_the_fonts_the_test_installs), and
+# the Debian package that has them: the same text then takes the same room on every machine.
+FONTS = ("DejaVu Sans", "DejaVu Sans Mono")
+FONTS_PACKAGE = "fonts-dejavu-core"
+# Every slide keeps this much room under its lowest line (px of the 720 px slide): the fonts are
+# pinned (FONTS), but another Chromium or FreeType lays the same text out a few pixels apart.
+ROOM_PX = 8
 # A diagram's labels, as shown on the slide (the SVG's font size x displayed width / SVG width).
 MIN_DIAGRAM_PX = 16.0
 FIGURE_REF = re.compile(r"\]\((figures/[^)\s]+)\)|(?:src|href)=\"(figures/[^\"]+)\"")
@@ -98,6 +105,38 @@ def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
     assert not unused, f"figures no deck shows: {unused}"
 
 
+# The decks written to the rule "slides explain the idea and show the shape; the TODO comment
+# and the hints name the API and the place; only the last hint gives the lines": deck -> the
+# course source whose TODO lines it must not show.
+IDEA_NOT_LINES = {"02b-memory.md": "course/train/memory_training.py",
+                  "00c2-collective-costs.md": "course/train/collectives.py"}
+
+
+@pytest.mark.parametrize("deck, source", IDEA_NOT_LINES.items())
+def test_a_deck_shows_the_idea_of_its_todos_not_their_lines(deck, source):
+    sys.path.insert(0, str(ROOT))
+    from selfcheck.steps.common import solution_blocks
+
+    def squeeze(text):
+        return re.sub(r"\s+", "", text)
+    slides = squeeze((SLIDES / deck).read_text())
+    for todo, lines in solution_blocks((ROOT / source).read_text()):
+        shown = [line.strip() for line in lines if len(squeeze(line)) >= 16
+                 and not line.strip().startswith("#") and squeeze(line) in slides]
+        assert not shown, f"{deck} shows TODO {todo}'s lines: {shown}"
+
+
+def test_every_deck_pins_the_fonts_the_test_installs():
+    for deck in decks():
+        head = deck.read_text().split("\n---\n", 1)[0]
+        style = re.search(r"^style: \|\n((?:  .*\n?)+)", head, re.M)
+        assert style, f"{deck.name}: no style in its front matter"
+        css = style.group(1)
+        assert re.search(r'section \{ font-family: "DejaVu Sans", sans-serif; \}', css), deck.name
+        assert re.search(r'section pre, section code \{ font-family: "DejaVu Sans Mono", '
+                         r"monospace; \}", css), deck.name
+
+
 def test_every_deck_is_marp_and_sorts_in_course_order():
     names = [d.name for d in decks()]
     assert names[:5] == ["00a-why.md", "00b-ranks.md", "00c-collectives.md",
@@ -157,19 +196,30 @@ def _find_chromium() -> str | None:
     return None
 
 
-def _install_chromium(log: Path) -> str | None:
-    """Debian/Ubuntu as root: apt-get install chromium (and the fonts the measurements assume)."""
+def _missing_fonts() -> list[str]:
+    """The pinned fonts (FONTS) that fontconfig does not have: Chromium would silently take
+    others, of other widths, and the measurements would depend on the machine."""
+    if not shutil.which("fc-list"):
+        return list(FONTS)
+    proc = subprocess.run(["fc-list", ":", "family"], capture_output=True, text=True, timeout=60)
+    have = {f.strip() for line in proc.stdout.splitlines() for f in line.split(",")}
+    return [f for f in FONTS if f not in have]
+
+
+def _install_chromium_and_fonts(log: Path, chromium: bool) -> bool:
+    """Debian/Ubuntu as root: apt-get install chromium (when `chromium`) and the fonts the decks
+    pin (FONTS_PACKAGE), in one step."""
     if os.geteuid() != 0 or not shutil.which("apt-get"):
-        return None
+        return False
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     with open(log, "w") as out:
         for cmd in (["apt-get", "update", "-qq"],
-                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium",
-                     "fonts-dejavu-core"]):
+                    ["apt-get", "install", "-y", "-qq", "--no-install-recommends",
+                     *(["chromium"] if chromium else []), FONTS_PACKAGE]):
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                               timeout=900).returncode:
-                return None
-    return _find_chromium()
+                return False
+    return True
 
 
 def _install_marp(log: Path) -> Path | None:
@@ -197,10 +247,16 @@ def tools() -> tuple[Path, str]:
         if marp is None:
             _unavailable(f"could not install @marp-team/marp-cli@{MARP_VERSION} with npm "
                          f"into {TOOLS_DIR} (see npm.log there)")
-        chromium = _find_chromium() or _install_chromium(TOOLS_DIR / "apt.log")
+        chromium = _find_chromium()
+        if chromium is None or _missing_fonts():
+            _install_chromium_and_fonts(TOOLS_DIR / "apt.log", chromium=chromium is None)
+            chromium = _find_chromium()
         if chromium is None:
             _unavailable("no Chromium: install Debian's `chromium` (apt-get as root) or set "
                          "CHROME_PATH")
+        if _missing_fonts():
+            _unavailable(f"the fonts the decks pin are not installed ({', '.join(_missing_fonts())}"
+                         f"): apt-get install {FONTS_PACKAGE} (as root)")
     return marp, chromium
 
 
@@ -268,6 +324,11 @@ def test_no_slide_runs_past_the_bottom_or_the_right_edge(rendered):
                 problems.append(f"slides/{deck.name} slide {s['slide']}: {s['over_bottom']} px "
                                 f"past the bottom, {s['over_right']} px past the right edge "
                                 f"({s['what']})")
+            elif s.get("room_bottom") is not None and s["room_bottom"] < ROOM_PX:
+                problems.append(f"slides/{deck.name} slide {s['slide']}: only "
+                                f"{s['room_bottom']} px to spare at the bottom "
+                                f"({s['lowest_what']}), {ROOM_PX} needed: another browser "
+                                "lays text out a few pixels differently; shorten it")
     assert not problems, "\n".join(problems)
 
 
