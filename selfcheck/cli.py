@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import shutil
 import sys
 import traceback
@@ -80,6 +82,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted")
         return 130
+    except BrokenPipeError:  # `python check.py ... | head`: the reader has all it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except SystemExit:
         raise
     except BaseException as e:  # noqa: BLE001 - the check never shows a traceback of its own
@@ -117,12 +122,18 @@ def run_step(args, work: Path) -> int:
         work.mkdir(parents=True)
         print("\n".join(module.show(target, work)))
         return 0
+    if getattr(module, "NEEDS_TORCH", True) and importlib.util.find_spec("torch") is None:
+        print(f"error: this Python ({sys.executable}) has no torch: activate the course's "
+              f"environment first, source .venv/bin/activate (setup_env.sh made it), or run "
+              f".venv/bin/python check.py {args.step}")
+        return 2
     source = (ROOT / "course" / module.FILE).read_text()
     text = target.read_text(errors="replace")
     owner = Ownership(source, text)
     report = Report(module.TODOS, owner.status())
     ctx = Context(args.step, target, work, source, text, report, owner, root=ROOT)
-    print(f"Checking {target} ({module.WHAT}) ...", flush=True)
+    what = module.what_of(text) if hasattr(module, "what_of") else module.WHAT
+    print(f"Checking {target} ({what}) ...", flush=True)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     write_tiny_text(work / "data")

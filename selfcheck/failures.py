@@ -43,7 +43,21 @@ def last_error_line(output: str) -> str | None:
     lines = [l for l in output.splitlines()
              if re.match(r"^(\[rank\d+\] )?(\w+\.)*\w*(Error|Exception)\b", l)
              or l.startswith("error:") or ": error: " in l]  # the last: argparse's
+    if not lines:  # a C++ exception that ended the process (gloo: "what():  [enforce fail ...")
+        lines = [l.split("what():", 1)[1] for l in output.splitlines() if "what():" in l]
     return lines[-1].strip() if lines else None
+
+
+def first_line(message: str) -> str:
+    """The error's first line, with a module's repr that starts there closed ("... forward:
+    ModuleDict(" becomes "... forward: ModuleDict(...)"): the lines after it are the module."""
+    if not message.strip():
+        return message
+    line = message.strip().splitlines()[0][:300]
+    opened = {"(": ")", "[": "]", "{": "}"}
+    if line and line[-1] in opened:
+        line += "..." + opened[line[-1]]
+    return line
 
 
 def stack_frames(stack: str) -> list[dict]:
@@ -81,15 +95,20 @@ def rank_failure(run, rank: int) -> Failure | None:
         error = record["error"]
         message = error["message"] or last_error_line(run.outputs[rank]) or \
             f"exit code {ended.split()[-1]}"
-        message = message.strip().splitlines()[0][:300] if message.strip() else message
+        message = first_line(message)
         frames, callee = script_part(error["frames"], script)
         innermost = frames[-1] if frames else {}
         return Failure(rank, "exit" if error["exit"] else "error", message, frames,
                        innermost.get("line"), innermost.get("func"), callee)
     if ended != "exit 0":
         message = last_error_line(run.outputs[rank]) or f"ended with {ended} and no message"
-        if ended.startswith("exit -"):
-            message = f"killed by signal {ended.split('-')[-1]} ({message})"
+        if ended.startswith("exit -"):  # died of a signal on its own (gloo aborts on some
+            # errors): the probe's faulthandler wrote where it was
+            frames, callee = script_part(stack_frames(run.stacks[rank]), script)
+            innermost = frames[-1] if frames else {}
+            return Failure(rank, "signal", f"killed by signal {ended.split('-')[-1]} "
+                           f"({message})", frames, innermost.get("line"), innermost.get("func"),
+                           callee)
         return Failure(rank, "killed", message)
     if record is None:
         return Failure(rank, "killed", last_error_line(run.outputs[rank]) or "no record written")

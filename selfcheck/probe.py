@@ -48,6 +48,7 @@ class Probe:
             "forward_dtypes": [], "autocast_forward": [], "compile_calls": [],
         }
         self.datasets, self.samplers, self.models, self.optimizers = [], [], [], []
+        self.on_print = None  # the stand-in GPU's timeline takes the printed lines too
 
     # ------------------------------------------------------------------ where a call came from
     def script_line(self, depth: int = 2) -> tuple[str, int] | None:
@@ -225,6 +226,12 @@ class Probe:
             self.register_comm_hook(self.process_group, counting)
         wrap(DistributedDataParallel, "__init__", before=ddp_init,
              after=ddp_count_allreduces if os.environ.get("CHECK_COUNT_ALLREDUCES") else None)
+        if os.environ.get("CHECK_COUNT_ALLREDUCES"):  # FSDP's gradient reduce-scatters too
+            def reduce_scattered(*a, **k):
+                record["reduce_scatters"] = record.get("reduce_scatters", 0) + 1
+            for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+                if hasattr(dist, name):
+                    wrap(dist, name, before=reduce_scattered)
 
         # -- the course's helpers and the collectives: who called them, from which line
         def called(name, **extra_of):
@@ -233,8 +240,9 @@ class Probe:
                 probe.note_call(name, **extra)
             return before
 
-        def group_size(*a, **k):
-            group = k.get("group", a[1] if len(a) > 1 else None)
+        def group_size(*a, _at=1, **k):
+            """The size of the group a reduction runs over (the argument at `_at`)."""
+            group = k.get("group", a[_at] if len(a) > _at else None)
             try:
                 return dist.get_world_size(group) if dist.is_initialized() else 1
             except Exception:  # noqa: BLE001 - a group this rank is not in
@@ -267,7 +275,8 @@ class Probe:
         def reduce_op(*a, **k):
             return str(k.get("op", a[1] if len(a) > 1 else "SUM"))
 
-        wrap(dist, "all_reduce", before=called("dist.all_reduce", group_size=group_size,
+        wrap(dist, "all_reduce", before=called("dist.all_reduce",  # (tensor, op, group)
+                                               group_size=functools.partial(group_size, _at=2),
                                                op=reduce_op))
         wrap(dist, "broadcast", before=called("dist.broadcast", src=broadcast_src))
         wrap(dist, "destroy_process_group", before=destroying("dist.destroy_process_group"))
@@ -376,6 +385,23 @@ class Probe:
                     (l for l in str(result).splitlines() if l.strip()), "")})
         wrap(EventList, "table", after=table_after)
 
+        # -- every optimizer the script builds: its class and what it runs with (the memory
+        # step's ZeroRedundancyOptimizer: its optimizer_class, and its local optimizer's)
+        def optimizer_built(result, self, *a, **k):
+            groups = getattr(getattr(self, "optim", None), "param_groups", None) or \
+                self.param_groups
+            if len(record.setdefault("optimizers", [])) < 10:
+                record["optimizers"].append({
+                    "class": type(self).__name__,
+                    "optimizer_class": getattr(getattr(self, "_optim_constructor", None) or k.get(
+                        "optimizer_class", a[1] if len(a) > 1 else None), "__name__", None),
+                    "lr": groups[0].get("lr") if groups else None,
+                    "weight_decay": groups[0].get("weight_decay") if groups else None,
+                    "line": (probe.script_line(3) or (None, None))[1]})
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        wrap(ZeroRedundancyOptimizer, "__init__", after=optimizer_built)
+        wrap(torch.optim.AdamW, "__init__", after=optimizer_built)
+
         # -- the performance step: what AdamW and torch.compile were asked for
         def adamw_init(self, *a, **k):
             record["adamw"].append(sorted(k))
@@ -421,8 +447,15 @@ class Probe:
                     "text": text[:300], "line": where[1] if where else None,
                     "t": time.perf_counter(),
                     "by": f"{os.path.basename(caller.f_code.co_filename)}:{caller.f_code.co_name}"})
+                if probe.on_print is not None and where:
+                    probe.on_print(text, where[1])
             return original_print(*a, **k)
         builtins.print = print_
+
+        # -- a stand-in GPU, where the check asks for one (selfcheck/standin.py)
+        from selfcheck import standin
+        if standin.active():
+            standin.install(probe)
 
     def output_hook(self, module, inputs, output):
         """What the model returns: a DTensor (logits split over the vocabulary) or a tensor."""
@@ -447,6 +480,7 @@ class Probe:
     def run(self) -> None:
         stack_file = open(self.dump_dir / f"rank{self.rank}.stack", "w")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+        faulthandler.enable(file=stack_file, all_threads=True)  # and where a fatal signal hit
         self.install()
         import torch.distributed as dist
         spec = importlib.util.spec_from_file_location("participant_script", self.script)
@@ -586,6 +620,7 @@ class Probe:
         record["tp"] = describe_tp(m)
         record["meshes_used"] = describe_meshes(m)
         record["layers"] = sorted(int(k) for k in m.layers)
+        record["block_types"] = [type(b).__name__ for b in m.layers.values()]
         record["parts"] = {name: getattr(m, name, None) is not None
                            for name in ("tok_emb", "pos_emb", "norm", "output")}
 
@@ -627,18 +662,24 @@ def describe_fsdp(m):
                                                  for b in m.layers.values()):
         return None
     plain = [n for n, p in m.named_parameters() if not isinstance(p, DTensor)]
-    reshard = []
-    for b in m.layers.values():
-        try:  # FSDP's internals: how the block was sharded (they differ between releases)
-            group = b._get_fsdp_state()._fsdp_param_group
+
+    def unit(module):
+        """(reshard_after_forward, offload policy's class) of an FSDP unit, None if unknown."""
+        try:  # FSDP's internals: how the unit was sharded (they differ between releases)
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is None:
+                return None, None
             flag = getattr(group, "_reshard_after_forward",
                            group.post_forward_mesh_info is not None)
+            return flag, type(getattr(group, "offload_policy", None)).__name__
         except Exception:  # noqa: BLE001
-            flag = None
-        reshard.append(flag)
+            return None, None
+    blocks = [unit(b) if isinstance(b, FSDPModule) else (None, None) for b in m.layers.values()]
+    root = unit(m) if isinstance(m, FSDPModule) else (None, None)
     return {"blocks": [isinstance(b, FSDPModule) for b in m.layers.values()],
             "root": isinstance(m, FSDPModule), "all_dtensor": not plain, "plain": plain,
-            "reshard_after_forward": reshard}
+            "reshard_after_forward": [flag for flag, _ in blocks],
+            "offload": [policy for _, policy in blocks], "root_offload": root[1]}
 
 
 def describe_tp(m):
@@ -694,6 +735,24 @@ def describe_meshes(m):
 # ring functions call is in record["calls"] (the probe wraps them) with its function.
 
 LESSON_FIT = dict(sizes=[2**k for k in range(10, 21)], world_size=4, latency=30e-6, busbw=6e9)
+# measured times are noisy: the same times, each off by a few per cent (fixed, so every run of
+# the check gives the same answer); least squares through all points is the answer to match
+LESSON_NOISE = [1 + 0.08 * math.sin(2.7 * i + 1) for i in range(len(LESSON_FIT["sizes"]))]
+
+
+def lesson_fit_times(noisy: bool = False) -> list[float]:
+    f = LESSON_FIT
+    factor = 2 * (f["world_size"] - 1) / f["world_size"]
+    exact = [f["latency"] + s * factor / f["busbw"] for s in f["sizes"]]
+    return [t * e for t, e in zip(exact, LESSON_NOISE, strict=True)] if noisy else exact
+
+
+def least_squares(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points."""
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True))
+             / sum((x - mean_x) ** 2 for x in xs))
+    return mean_y - slope * mean_x, slope
 LESSON_PREDICT = dict(layers=4, width=2048, world_size=4, latency=1e-3, busbw=2e9)
 LESSON_RING_SHAPES = (((2,), "float32"), ((14,), "float32"), ((1001,), "float32"),
                       ((7, 33), "float64"))
@@ -787,11 +846,11 @@ def collectives_lesson(probe, module) -> None:
         return
     lesson = probe.record["lesson"] = {}
     f = LESSON_FIT
-    factor = 2 * (f["world_size"] - 1) / f["world_size"]
-    seconds = [f["latency"] + s * factor / f["busbw"] for s in f["sizes"]]
     if callable(getattr(module, "fit_alpha_beta", None)):
-        lesson["fit"] = lesson_call(module.fit_alpha_beta, list(f["sizes"]), seconds,
+        lesson["fit"] = lesson_call(module.fit_alpha_beta, list(f["sizes"]), lesson_fit_times(),
                                     f["world_size"])
+        lesson["fit_noisy"] = lesson_call(module.fit_alpha_beta, list(f["sizes"]),
+                                          lesson_fit_times(noisy=True), f["world_size"])
     if callable(getattr(module, "predict_ddp_allreduce_s", None)):
         p = LESSON_PREDICT
         model = lesson_model(p)
@@ -815,6 +874,50 @@ def collectives_lesson(probe, module) -> None:
             probe.note_call(f"dist.{_name}")
             return _original(*a, **k)
         setattr(dist, name, functools.wraps(original)(wrapper))
+
+    # point-to-point requests: which of the script's isend/irecv requests were waited for
+    # (one never waited for can be cancelled when it is dropped: its receiver waits forever)
+    import torch.distributed.distributed_c10d as c10d
+    requests = probe.record.setdefault("requests", [])
+    failed = []
+
+    class Request:
+        """isend's or irecv's request, with a note of whether wait() was called on it."""
+
+        def __init__(self, work, entry):
+            self._work, self._entry = work, entry
+
+        def wait(self, *a, **k):
+            self._entry["waited"] = True
+            try:
+                return self._work.wait(*a, **k)
+            except BaseException:
+                failed.append(True)  # the requests an error leaves behind are not "dropped"
+                raise
+
+        def __getattr__(self, name):
+            return getattr(self._work, name)
+
+        def __del__(self):  # dropped without wait() (not: left behind by an error)
+            if not self._entry["waited"] and not failed and not probe.record.get("error"):
+                self._entry["dropped"] = True
+
+    for name in ("isend", "irecv"):
+        original = getattr(c10d, name)
+
+        def p2p(*a, _name=name, _original=original, **k):
+            work = _original(*a, **k)
+            where = probe.script_line(2)
+            if work is None or where is None or len(requests) >= 200:
+                return work
+            entry = {"name": _name, "func": where[0], "line": where[1], "waited": False,
+                     "dropped": False}
+            requests.append(entry)
+            return Request(work, entry)
+        wrapped = functools.wraps(original)(p2p)
+        # the same object under both names: P2POp and batch_isend_irecv compare `op is isend`
+        setattr(c10d, name, wrapped)
+        setattr(dist, name, wrapped)
 
     setup = getattr(module, "setup", None)
     if callable(setup):

@@ -22,6 +22,8 @@ class Report:
         self.attempted: set[int] = set()   # behaviour shows an attempt, whatever the text says
         self.notes: list[str] = []
         self.waiting: dict[int, str] = {}   # TODO -> why it cannot be judged yet
+        self.after: dict[tuple[int, str], int] = {}  # (TODO, needed text) -> the TODO before
+        self.items: dict[str, list[tuple[str, str]]] = {}  # no TODO's: label -> verdicts
 
     def label(self, todo) -> str:
         return f"TODO {todo} ({self.names[todo]})" if todo in self.names else f"TODO {todo}"
@@ -39,12 +41,21 @@ class Report:
         """`todo` can only be judged once another TODO uses it: say which."""
         self.waiting[todo] = text
 
-    def needed(self, todo: int, text: str) -> None:
-        """The run stops because `todo` is not done yet: shown as "not started", with why."""
+    def needed(self, todo: int, text: str, after: int | None = None) -> None:
+        """The run stops because `todo` is not done yet: shown as "not started", with why.
+        after: the TODO whose change made the run reach it ("now that TODO 57 is done", or
+        "is changed" while that TODO still has a FIX)."""
         self.verdicts.setdefault(todo, []).append((NEEDED, text))
+        if after is not None:
+            self.after[(todo, text)] = after
 
     def note(self, text: str) -> None:
         self.notes.append(text)
+
+    def item(self, label: str, good: bool, text: str) -> None:
+        """A line of its own for something that is no TODO (a job file the step uses): ok, or
+        FIX with what to change. Shown after the TODOs."""
+        self.items.setdefault(label, []).append((OK if good else FIX, text))
 
     def failed(self, todo: int) -> bool:
         return any(kind in (FIX, NEEDED) for kind, _ in self.verdicts.get(todo, []))
@@ -57,8 +68,27 @@ class Report:
         return (self.status.get(todo) == "not started" and todo not in self.attempted
                 and not any(kind == OK for kind, _ in self.verdicts.get(todo, [])))
 
-    def render(self, unchecked_reason: str = "not checked: the run stopped before it could "
-               "be (fix the FIX line above first)") -> tuple[list[str], int]:
+    def needed_text(self, todo: int, text: str) -> str:
+        after = self.after.get((todo, text))
+        if after is None:
+            return text
+        state = "done" if self.judged(after) and not self.failed(after) else "changed"
+        return f"{text} (the run gets here now that TODO {after} is {state})"
+
+    def unchecked(self, todo: int, reason: str | None) -> str:
+        """Why `todo` could not be judged: the run stopped at the FIX (or not started) line of
+        another TODO, named where it stands (above or below)."""
+        if reason is not None:
+            return reason
+        stops = [n for n in sorted(self.verdicts) if self.failed(n)]
+        if not stops:
+            return "not checked: the run stopped before it could be"
+        above = [n for n in stops if n < todo]
+        first = above[-1] if above else stops[0]
+        return (f"not checked: the run stopped before it could be (fix TODO {first} "
+                f"{'above' if first < todo else 'below'} first)")
+
+    def render(self, unchecked_reason: str | None = None) -> tuple[list[str], int]:
         lines, problems = [], 0
         for todo in sorted(self.verdicts):
             entries = self.verdicts[todo]
@@ -66,7 +96,8 @@ class Report:
             needed = [text for kind, text in entries if kind == NEEDED]
             if needed and not fixes:
                 problems += 1
-                lines.append(f"  {'not started':<12} {self.label(todo)}: {needed[0]}")
+                lines.append(f"  {'not started':<12} {self.label(todo)}: "
+                             f"{self.needed_text(todo, needed[0])}")
             elif self.not_started(todo) and (fixes or not entries):
                 problems += 1
                 lines.append(f"  {'not started':<12} {self.label(todo)}")
@@ -80,6 +111,14 @@ class Report:
                 lines.append(f"  {OK:<12} {self.label(todo)}: {'; '.join(oks[:2])}")
             else:
                 problems += 1
-                why = self.waiting.get(todo, unchecked_reason)
+                why = self.waiting.get(todo) or self.unchecked(todo, unchecked_reason)
                 lines.append(f"  {'not checked':<12} {self.label(todo)}: {why}")
+        for label, entries in self.items.items():
+            fixes = list(dict.fromkeys(text for kind, text in entries if kind == FIX))
+            if fixes:
+                problems += 1
+                lines.append(f"  {FIX:<12} {label}: {fixes[0]}"
+                             + "".join(f"; also {t}" for t in fixes[1:3]))
+            else:
+                lines.append(f"  {OK:<12} {label}: {entries[0][1]}")
         return lines, problems

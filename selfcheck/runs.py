@@ -174,7 +174,8 @@ def code_digest() -> str:
     for folder in ("utils", "model"):
         for f in sorted((ROOT / folder).glob("*.py")):
             h.update(f.read_bytes())
-    h.update((ROOT / "selfcheck" / "probe.py").read_bytes())
+    for name in ("probe.py", "standin.py"):
+        h.update((ROOT / "selfcheck" / name).read_bytes())
     try:
         import torch
         h.update(torch.__version__.encode())
@@ -188,12 +189,14 @@ class Run:
 
     def __init__(self, work: Path, name: str, script: Path, batch: int, extra=(),
                  geometry: Geometry = ONE, env: dict | None = None, reference: bool = False,
-                 eval_probe: bool = False, optional: dict | None = None):
+                 eval_probe: bool = False, optional: dict | None = None, gpu: bool = False):
         self.name, self.script, self.geometry = name, Path(script), geometry
         self.dir = work / name
         self.out = self.dir / "out"
         self.procs, self.store = [], None
         self.args = run_args(work / "data", self.dir / "cache", self.out, batch, extra)
+        if gpu:  # a stand-in GPU: the script takes its GPU branches (selfcheck/standin.py)
+            env = {**(env or {}), "CHECK_STANDIN_GPU": "1"}
         if optional:  # {flag: how many values}: dropped by the probe if the script lacks it
             env = {**(env or {}), "CHECK_OPTIONAL_FLAGS": ",".join(
                 f"{flag}={n}" for flag, n in optional.items())}

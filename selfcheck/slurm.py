@@ -268,7 +268,72 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
                out_dir=env["OUT_DIR"])
 
 
-def describe(job: Job) -> list[str]:
+NPROC_OPTION = re.compile(r"--nproc[_-]per[_-]node[= ]\"?\$\{?(\w+)")
+
+
+def launch_problems(job: Job, text: str) -> list[str]:
+    """What any job file must get right, one line each, saying what to change: bash finishing
+    (set -u, pipefail), every torchrun's process count against the GPUs of a node.
+    `text`: the job file (which variables it hands torchrun)."""
+    problems = []
+    if job.returncode != 0:
+        line, message = job.bash_error()
+        m = re.search(r"(\w+): unbound variable", message)
+        if m:
+            message = (f"${m.group(1)} is used but never set (set -u stops there): set it "
+                       f"before this line, or write ${{{m.group(1)}:-default}}")
+        elif job.returncode == 141:
+            message = ("a reader stopped a pipeline early (head -n 1, or awk's exit), and the "
+                       "writer died of SIGPIPE, which set -o pipefail turns into a failed job: "
+                       "read to the end (sed -n 1p, awk '... && !n++')")
+        problems.append(f"the job stops at {f'line {line}: ' if line else ''}"
+                        f"{message or f'exit code {job.returncode}'}")
+    gpus = gpus_of(job.directives)
+    for e in job.of("torchrun"):
+        words = e["args"]
+        nproc = next((w.split("=", 1)[1] if "=" in w else (words[i + 1] if i + 1 < len(words)
+                                                            else "")
+                      for i, w in enumerate(words)
+                      if w.split("=", 1)[0] in ("--nproc_per_node", "--nproc-per-node")), None)
+        node = job.nodes[e["node"]] if 0 <= e["node"] < len(job.nodes) else "?"
+        if e.get("processes", 0) < 0 or nproc == "":
+            unset = [v for v in NPROC_OPTION.findall(text)
+                     if not e.get("env", {}).get(v)]
+            why = (f": ${unset[0]} is not set in this job" + (
+                " (Slurm sets $SLURM_GPUS_PER_NODE only for --gpus-per-node, not for --gres)"
+                if unset[0] == "SLURM_GPUS_PER_NODE" else "") if unset else "")
+            problems.append(f"torchrun on {node} gets --nproc_per_node={nproc}{why}, so it "
+                            "cannot start its processes: --nproc_per_node=\"$NPROC_PER_NODE\" "
+                            "(gpu, one process per GPU, unless set)")
+            break
+        if gpus and e.get("processes") not in (None, gpus):
+            problems.append(f"torchrun on {node} would start {e['processes']} process(es) for "
+                            f"the {gpus} GPUs a node has here (--nproc_per_node={nproc}): one "
+                            "per GPU, --nproc_per_node=\"$NPROC_PER_NODE\"")
+            break
+    return problems
+
+
+def judge_job_file(report, label: str, script: Path, work: Path, args=()) -> Job:
+    """A job file without TODOs (collectives.sbatch, preflight.sbatch, ...), run with the
+    stand-ins: one line under `label` in the report, ok or what to change."""
+    job = submit(script, work, args=args, job_id="4246")
+    problems = launch_problems(job, Path(script).read_text())
+    if problems:
+        for problem in problems:
+            report.item(label, False, problem)
+        return job
+    runs = job.of("torchrun")
+    nodes = sorted({e["node"] for e in runs})
+    counts = sorted({e.get("processes") for e in runs})
+    report.item(label, True, (
+        f"{len(runs)} torchrun(s) on {len(nodes)} node(s), {', '.join(map(str, counts))} "
+        f"process(es) each for {gpus_of(job.directives)} GPU(s) a node" if runs else
+        f"runs to its end and starts {len(job.workers())} program(s) with srun"))
+    return job
+
+
+def describe(job: Job, text: str = "") -> list[str]:
     """Per node, what srun would start there and the variables that matter (the dry run)."""
     keys = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE",
             "SLURM_NODEID", "SLURM_PROCID", "SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS",
@@ -287,7 +352,6 @@ def describe(job: Job) -> list[str]:
         shown = [f"{k}={env[k]}" for k in keys if k in env]
         if shown:
             lines.append("      " + " ".join(shown))
-    if job.returncode:
-        lines.append(f"the job file stopped with exit code {job.returncode}: "
-                     f"{(job.stderr.strip().splitlines() or [''])[-1]}")
+    for problem in launch_problems(job, text):
+        lines.append(f"WARNING: {problem}")
     return lines

@@ -12,6 +12,10 @@ import subprocess
 from pathlib import Path
 
 IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
+# The fonts every deck and page pins in its style, and Debian's package for them: without them
+# Chromium silently takes others, of other widths, and the measurements depend on the machine.
+FONTS = ("DejaVu Sans", "DejaVu Sans Mono")
+FONTS_PACKAGE = "fonts-dejavu-core"
 LOCK_DIR = Path.home() / ".cache" / "course-slides"
 
 
@@ -22,8 +26,17 @@ def find_chromium() -> str | None:
     return None
 
 
+def missing_fonts() -> list[str]:
+    """The pinned fonts (FONTS) that fontconfig does not have."""
+    if not shutil.which("fc-list"):
+        return list(FONTS)
+    proc = subprocess.run(["fc-list", ":", "family"], capture_output=True, text=True, timeout=60)
+    have = {f.strip() for line in proc.stdout.splitlines() for f in line.split(",")}
+    return [f for f in FONTS if f not in have]
+
+
 def install_chromium(log: Path) -> str | None:
-    """Debian/Ubuntu as root: apt-get install chromium (and the fonts the measurements assume)."""
+    """Debian/Ubuntu as root: apt-get install chromium and the pinned fonts."""
     if os.geteuid() != 0 or not shutil.which("apt-get"):
         return None
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
@@ -31,7 +44,7 @@ def install_chromium(log: Path) -> str | None:
     with open(log, "w") as out:
         for cmd in (["apt-get", "update", "-qq"],
                     ["apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium",
-                     "fonts-dejavu-core"]):
+                     FONTS_PACKAGE]):
             if subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                               timeout=900).returncode:
                 return None
@@ -43,4 +56,7 @@ def chromium() -> str | None:
     LOCK_DIR.mkdir(parents=True, exist_ok=True)
     with open(LOCK_DIR / "chromium.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return find_chromium() or install_chromium(LOCK_DIR / "chromium-apt.log")
+        found = find_chromium()
+        if found and not missing_fonts():
+            return found
+        return install_chromium(LOCK_DIR / "chromium-apt.log") or found

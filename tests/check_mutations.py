@@ -64,6 +64,12 @@ MISTAKES = [
     ("ddp", DDP, "the loop trains the unwrapped model", 5,
      [('    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n',
        '    ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n')]),
+    ("ddp", DDP, "device_ids by the global rank (GPU 2 on a node of 2)", 5,
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[rank] if device.type == "cuda" else None)')]),
+    ("ddp", DDP, "every process of a node on GPU 0", 5,
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[0] if torch.cuda.is_available() else None)')]),
     ("ddp", DDP, "no set_epoch", 6, [("        train_sampler.set_epoch(epoch)\n", "")]),
     ("ddp", DDP, "set_epoch(0)", 6,
      [("train_sampler.set_epoch(epoch)", "train_sampler.set_epoch(0)")]),
@@ -140,6 +146,12 @@ MISTAKES = [
      [("    for block in model.layers.values():\n"
        "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
        "                    mp_policy=MixedPrecisionPolicy(**policy))\n", "")]),
+    ("fsdp", FSDP, "the ModuleDict of blocks sharded as one", 18,
+     [("    for block in model.layers.values():\n"
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n",
+       "    fully_shard(model.layers, reshard_after_forward=reshard_after_forward,\n"
+       "                mp_policy=MixedPrecisionPolicy(**policy))\n")]),
     ("fsdp", FSDP, "the blocks but not the root", 18,
      [("    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))\n",
        "")]),
@@ -276,6 +288,12 @@ MISTAKES = [
      [("        data_parallel_size=dp_size, tensor_parallel_size=args.tp,\n"
        "        params_per_rank=local_params, memory=monitor.memory)",
        "        params_per_rank=local_params, memory=monitor.memory)")]),
+    ("tp", TP, "the loss averaged over all processes, TP copies included", 31,
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       "step_loss = all_reduce_mean(loss.detach())")]),
+    ("tp", TP, "the loss averaged over the TP group instead of the replicas", 31,
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       'step_loss = all_reduce_mean(loss.detach(), group=mesh["tp"].get_group())')]),
     ("tp", TP, "save0 of the TP model", 32,  # save0 as the exercise had it, and imports
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    save0(model, out_dir / "final_model.pt")'),
@@ -290,6 +308,14 @@ MISTAKES = [
        "ignore_index=IGNORE_INDEX).full_tensor()",
        "        loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction=\"sum\",\n"
        "                                    ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "evaluation sums added up over all processes", 33,
+     [("loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)",
+       "loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)")]),
+    ("tp", TP, "evaluation over the TP group", 33,
+     [("val_loss = evaluate(model, val_loader, device, dp_group)",
+       'val_loss = evaluate(model, val_loader, device, mesh["tp"].get_group())'),
+      ("test_loss = evaluate(model, test_loader, device, dp_group)",
+       'test_loss = evaluate(model, test_loader, device, mesh["tp"].get_group())')]),
     ("tp", TP, "no reshard after evaluation", 33,
      [("    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n",
        "")]),
@@ -371,6 +397,46 @@ MISTAKES = [
      [("            interval_tokens += x.numel() * world_size", "            interval_tokens += x.numel()")]),
     ("perf", PERF, "the peak not said", 42,
      [('    print0(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")\n', "")]),
+    ("perf", PERF, "the clock read before synchronize", 42,
+     [("                synchronize(device)\n"
+       "                rate = interval_tokens / (time.perf_counter() - interval_start)\n",
+       "                rate = interval_tokens / (time.perf_counter() - interval_start)\n"
+       "                synchronize(device)\n")]),
+    ("perf", PERF, "synchronize before the optimizer step is queued", 42,
+     [("                synchronize(device)\n", ""),
+      ('            with annotate("optimizer", device):\n                optimizer.step()\n',
+       '            synchronize(device)\n'
+       '            with annotate("optimizer", device):\n                optimizer.step()\n')]),
+    ("perf", PERF, "the profiler records the CPU only, also on a GPU", 43,
+     [("    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == \"cuda\" else [])",
+       "    activities = [ProfilerActivity.CPU]")]),
+    ("perf", PERF, "the operator table sorted by CPU time on a GPU", 43,
+     [('sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"',
+       'sort_by = "self_cpu_time_total"')]),
+    ("perf", PERF, "the profiler stepped at the log steps only", 43,
+     [("            if profiler is not None:\n                profiler.step()\n", ""),
+      ("                interval_tokens, interval_start = 0, time.perf_counter()\n",
+       "                interval_tokens, interval_start = 0, time.perf_counter()\n"
+       "                if profiler is not None:\n                    profiler.step()\n")]),
+    ("perf", PERF, "no NVTX range on a GPU", 44,
+     [('    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n',
+       "")]),
+    ("perf", PERF, "NVTX instead of record_function on a GPU", 44,
+     [("    ranges.enter_context(record_function(name))\n"
+       '    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n',
+       '    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n'
+       "    else:\n        ranges.enter_context(record_function(name))\n")]),
+    ("perf", PERF, "set_precision's answer not kept (auto stays auto)", 45,
+     [("args.precision = set_precision(args.precision, device)",
+       "set_precision(args.precision, device)")]),
+    ("perf", PERF, "auto taken for fp32", 45,
+     [("args.precision = set_precision(args.precision, device)",
+       'args.precision = set_precision("fp32" if args.precision == "auto" else args.precision, '
+       "device)")]),
+    ("perf", PERF, "fused when the device equals the string 'cuda'", 46,
+     [('fused=device.type == "cuda")', 'fused=device == "cuda")')]),
+    ("perf", PERF, "fused only with --device cuda", 46,
+     [('fused=device.type == "cuda")', 'fused=args.device == "cuda")')]),
     ("perf", PERF, "no profiler.step", 43,
      [("            if profiler is not None:\n                profiler.step()\n", "")]),
     ("perf", PERF, "no operator table", 43,
@@ -462,6 +528,14 @@ MISTAKES = [
        "                                       dist.P2POp(dist.irecv, recv, left)])\n"
        "    for request in requests:\n        request.wait()\n",
        "    dist.send(send, right)\n    dist.recv(recv, left)\n")]),
+    ("collectives", COLL, "the send's request never waited for", 49,
+     [("    requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),\n"
+       "                                       dist.P2POp(dist.irecv, recv, left)])\n"
+       "    for request in requests:\n        request.wait()\n",
+       "    dist.isend(send, right)\n    dist.irecv(recv, left).wait()\n")]),
+    ("collectives", COLL, "the receive buffer sized like the chunk sent", 50,
+     [("        received = torch.empty_like(chunks[into])",
+       "        received = torch.empty_like(chunks[send])")]),
     ("collectives", COLL, "the sum kept in the list, not in the tensor", 50,
      [("chunks[into] += received", "chunks[into] = chunks[into] + received")]),
     ("collectives", COLL, "the received chunk overwrites instead of adding", 50,
@@ -483,6 +557,18 @@ MISTAKES = [
     ("collectives", COLL, "all-gather's bus factor for an all-reduce", 52,
      [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
        "return latency, (1 / slope) * (world_size - 1) / world_size")]),
+    ("collectives", COLL, "a line through the first and the last point", 52,
+     [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    latency = mean_y - slope * mean_x
+""", """    slope = (seconds[-1] - seconds[0]) / (sizes[-1] - sizes[0])
+    latency = seconds[0] - slope * sizes[0]
+""")]),
+    ("collectives", COLL, "the small messages left out of the fit", 52,
+     [("    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)\n",
+       "    sizes, seconds = sizes[len(sizes) // 2:], seconds[len(seconds) // 2:]  # bandwidth-bound\n"
+       "    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)\n")]),
     ("collectives", COLL, "the ring's 2 (n - 1) / n forgotten", 53,
      [("latency + nbytes * factor / busbw", "latency + nbytes / busbw")]),
     ("collectives", COLL, "all-gather's factor for DDP's all-reduce", 53,
@@ -503,32 +589,46 @@ MISTAKES = [
                 and e.get("name", "").startswith("ProfilerStep#"))""",
        """    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))""")]),
     # ---- memory ------------------------------------------------------------------------
-    ("memory", MEM, "the loss not divided by the micro-batches", 55,
-     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
-       "F.cross_entropy(logits.flatten(0, 1), y.flatten())")]),
-    ("memory", MEM, "only the logged loss divided, backward on the whole", 55,
-     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
-       "                loss.backward()\n",
-       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
-       "                loss.backward()\n"
-       "                loss = loss / args.grad_accum\n")]),
-    ("memory", MEM, "no no_sync: an all-reduce every micro-batch", 55,
-     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
-       "with contextlib.nullcontext():")]),
-    ("memory", MEM, "no_sync on the last micro-batch instead of the others", 55,
-     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
-       "with no_gradient_sync(model) if last else contextlib.nullcontext():")]),
-    ("memory", MEM, "the whole model checkpointed as one piece", 56,
+    ("memory", MEM, "the whole model checkpointed as one piece", 55,
      [("    for name in list(model.layers):\n"
        "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
        "    return model",
        "    return checkpoint_wrapper(model)")]),
-    ("memory", MEM, "only the MLP of each block checkpointed", 56,
+    ("memory", MEM, "only the MLP of each block checkpointed", 55,
      [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
        "        model.layers[name].mlp = checkpoint_wrapper(model.layers[name].mlp)")]),
-    ("memory", MEM, "the wrapped blocks not put back", 56,
+    ("memory", MEM, "the wrapped blocks not put back", 55,
      [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
        "        checkpoint_wrapper(model.layers[name])")]),
+    ("memory", MEM, "only the first block checkpointed", 55,
+     [("    for name in list(model.layers):\n",
+       "    for name in list(model.layers)[:1]:\n")]),
+    ("memory", MEM, "zero2 reshards after forward too", 56,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       "options = dict(reshard_after_forward=True)")]),
+    ("memory", MEM, "offload without CPUOffloadPolicy", 56,
+     [('        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())',
+       "        pass")]),
+    ("memory", MEM, "offload keeps the gathered weights", 56,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       'options = dict(reshard_after_forward=layout == "zero3")')]),
+    ("memory", MEM, "only the root sharded", 56,
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
+    ("memory", MEM, "the ModuleDict of blocks sharded as one", 56,
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n",
+       "    fully_shard(model.layers, **options)\n")]),
+    ("memory", MEM, "the blocks sharded, the root left whole", 56,
+     [("    fully_shard(model, **{k: v for k, v in options.items() if k != \"reshard_after_forward\"})\n",
+       "")]),
+    ("memory", MEM, "only the blocks offloaded, the root kept on the device", 56,
+     [("    fully_shard(model, **{k: v for k, v in options.items() if k != \"reshard_after_forward\"})\n",
+       "    fully_shard(model)\n")]),
+    ("memory", MEM, "zero3 keeps the gathered weights as zero2 does", 56,
+     [('options = dict(reshard_after_forward=layout != "zero2")',
+       'options = dict(reshard_after_forward=layout == "offload")')]),
+    ("memory", MEM, "offload's host memory never pinned on a GPU", 56,
+     [("CPUOffloadPolicy(pin_memory=torch.cuda.is_available())",
+       "CPUOffloadPolicy(pin_memory=False)")]),
     ("memory", MEM, "ZeroRedundancyOptimizer of SGD", 57,
      [("optimizer_class=torch.optim.AdamW,\n", "optimizer_class=torch.optim.SGD,\n")]),
     ("memory", MEM, "zero1 left with a plain AdamW", 57,
@@ -537,18 +637,67 @@ MISTAKES = [
     ("memory", MEM, "ZeroRedundancyOptimizer without AdamW's arguments", 57,
      [("optimizer_class=torch.optim.AdamW,\n                                            **adamw)",
        "optimizer_class=torch.optim.AdamW)")]),
-    ("memory", MEM, "zero2 reshards after forward too", 58,
-     [('options = dict(reshard_after_forward=layout != "zero2")',
-       "options = dict(reshard_after_forward=True)")]),
-    ("memory", MEM, "offload without CPUOffloadPolicy", 58,
-     [('        options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())',
-       "        pass")]),
-    ("memory", MEM, "offload keeps the gathered weights", 58,
-     [('options = dict(reshard_after_forward=layout != "zero2")',
-       'options = dict(reshard_after_forward=layout == "zero3")')]),
-    ("memory", MEM, "only the root sharded", 58,
-     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
+    ("memory", MEM, "ZeroRedundancyOptimizer for the ddp layout too", 57,
+     [('    if args.layout == "zero1":\n        optimizer = ZeroRedundancyOptimizer(',
+       '    if args.layout in ("ddp", "zero1"):\n        optimizer = ZeroRedundancyOptimizer(')]),
+    ("memory", MEM, "the loss not divided by the micro-batches", 58,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten())")]),
+    ("memory", MEM, "only the logged loss divided, backward on the whole", 58,
+     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                loss.backward()\n"
+       "                loss = loss / args.grad_accum\n")]),
+    ("memory", MEM, "no no_sync: an all-reduce every micro-batch", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext():")]),
+    ("memory", MEM, "no_sync on the last micro-batch instead of the others", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with no_gradient_sync(model) if last else contextlib.nullcontext():")]),
+    ("memory", MEM, "the forward outside no_sync, as the wording 'backward inside' reads", 58,
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n"
+       "                with autocast(args.precision, device):\n"
+       "                    logits = model(x)\n"
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "            with autocast(args.precision, device):\n"
+       "                logits = model(x)\n"
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "            with contextlib.nullcontext() if last else no_gradient_sync(model):\n"
+       "                loss.backward()\n")]),
+    ("memory", MEM, "DDP's no_sync() called on every layout (FSDP2 has none)", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("memory", MEM, "divided by the micro-batches only under DDP", 58,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
+       "                        args.grad_accum if isinstance(model, DDP) else 1)")]),
+    ("memory", MEM, "no_sync skipped for the FSDP layouts", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last or not isinstance(model, DDP) else "
+       "no_gradient_sync(model):")]),
 ]
+
+# Words the FIX line of a mistake must hold (what to change, named): what -> words.
+MESSAGES = {
+    "ZeroRedundancyOptimizer without AdamW's arguments": ("weight_decay=", "lr=args.lr"),
+    "only the root sharded": ("only the root", "fully_shard(block"),
+    "the ModuleDict of blocks sharded as one": ("ModuleDict(...)", "each block of model.layers"),
+    "DDP's no_sync() called on every layout (FSDP2 has none)": ("no_gradient_sync(model)",),
+    "the forward outside no_sync, as the wording 'backward inside' reads": ("forward pass too",),
+    "offload's host memory never pinned on a GPU": ("on a GPU", "pin_memory="),
+    "the send's request never waited for": ("never waits for the request", "wait()"),
+    "the receive buffer sized like the chunk sent": ("bytes arrived in a buffer",),
+    "a line through the first and the last point": ("least squares",),
+    "device_ids by the global rank (GPU 2 on a node of 2)": ("2 nodes x 2 GPUs",
+                                                             "device_ids=[local_rank]"),
+    "the clock read before synchronize": ("synchronize(device)",),
+    "the profiler records the CPU only, also on a GPU": ("ProfilerActivity.CUDA",),
+    "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
+    "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
+    "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+}
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
@@ -639,9 +788,52 @@ CORRECT = [
     for e in kernels or gloo:
         total_ms += e["dur"] / 1000
     return total_ms / steps / 1000""")]),
-    ("memory", MEM, "no_sync through DDP's own method",
-     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
-       "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("ddp", DDP, "device_ids from the device itself",
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[device] if torch.cuda.is_available() else None)')]),
+    ("perf", PERF, "fused from the device's name",
+     [('fused=device.type == "cuda")', 'fused=str(device).startswith("cuda"))')]),
+    ("perf", PERF, "torch.cuda.synchronize written out",
+     [("                synchronize(device)\n",
+       '                if device.type == "cuda":\n                    torch.cuda.synchronize()\n')]),
+    ("tp", TP, "the loss reduced with dist.all_reduce on the dp group",
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       "step_loss = loss.detach().clone()\n"
+       "            torch.distributed.all_reduce(step_loss, group=dp_group)\n"
+       "            step_loss /= dp_size")]),
+    ("collectives", COLL, "the fit by numpy.polyfit",
+     [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
+    slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
+             / sum((x - mean_x) ** 2 for x in sizes))
+    latency = mean_y - slope * mean_x
+""", """    import numpy
+    slope, latency = (float(v) for v in numpy.polyfit(sizes, seconds, 1))
+""")]),
+    ("memory", MEM, "DDP's no_sync and FSDP2's own switch written out in the loop",
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n",
+       "            if isinstance(model, DDP):\n"
+       "                context = contextlib.nullcontext() if last else model.no_sync()\n"
+       "            else:\n"
+       "                model.set_requires_gradient_sync(last)\n"
+       "                context = contextlib.nullcontext()\n"
+       "            with context:\n")]),
+    ("memory", MEM, "nanoGPT's require_backward_grad_sync",
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n",
+       "            if isinstance(model, DDP):  # DDP reads it in forward\n"
+       "                model.require_backward_grad_sync = last\n"
+       "            else:\n"
+       "                model.set_requires_gradient_sync(last)\n"
+       "            with contextlib.nullcontext():\n")]),
+    ("memory", MEM, "torch's own apply_activation_checkpointing on the blocks",
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
+       "    return model",
+       "    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (\n"
+       "        apply_activation_checkpointing as wrap_modules)\n"
+       "    blocks = set(model.layers.values())\n"
+       "    wrap_modules(model, checkpoint_wrapper_fn=checkpoint_wrapper,\n"
+       "                 check_fn=lambda module: module in blocks)\n"
+       "    return model")]),
     ("memory", MEM, "the loss divided after the autocast block",
      [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n",
        "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
@@ -658,4 +850,27 @@ CORRECT = [
     ("memory", MEM, "the FSDP options written out per layout",
      [('    options = dict(reshard_after_forward=layout != "zero2")\n',
        '    options = {"reshard_after_forward": layout in ("zero3", "offload")}\n')]),
+]
+
+# Job files without TODOs (collectives.sbatch, preflight.sbatch): a mistake is named on the job
+# file's own line, by `python check.py sbatch FILE` and, for collectives.sbatch, by
+# `python check.py collectives` too.   (step, job file, what goes wrong, [(old, new), ...])
+JOB_FILE_MISTAKES = [
+    ("sbatch", "collectives.sbatch", "the GPUs counted by $SLURM_GPUS_PER_NODE inside bash -c",
+     [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
+       '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$SLURM_GPUS_PER_NODE"')]),
+    ("collectives", "collectives.sbatch", "the GPUs counted by $SLURM_GPUS_PER_NODE inside bash -c",
+     [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
+       '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$SLURM_GPUS_PER_NODE"')]),
+    ("collectives", "collectives.sbatch", "$SLURM_GPUS_PER_NODE on one node, under set -u",
+     [('torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" "$@"',
+       'torchrun --standalone --nproc_per_node="$SLURM_GPUS_PER_NODE" "$@"')]),
+    ("sbatch", "preflight.sbatch", "one process per node in the rendezvous test",
+     [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
+       '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node=1')]),
+]
+JOB_FILE_CORRECT = [
+    ("sbatch", "collectives.sbatch", "the processes per node from Slurm's SLURM_GPUS_ON_NODE",
+     [("export NPROC_PER_NODE=${NPROC_PER_NODE:-gpu}",
+       "export NPROC_PER_NODE=${NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-gpu}}")]),
 ]

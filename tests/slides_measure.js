@@ -122,13 +122,18 @@ function measure() {
     const bottom = box.bottom - parseFloat(css.paddingBottom) * scale;
     const right = box.right - parseFloat(css.paddingRight) * scale;
     const slide = {slide: i + 1, over_bottom: 0, over_right: 0, what: '', min_code_px: null,
-                   broken_images: [], figures: []};
+                   broken_images: [], figures: [], lowest: -Infinity, lowest_what: ''};
     section.querySelectorAll('*').forEach(el => {
       const r = el.getBoundingClientRect();
       if (r.width === 0 && r.height === 0) return;
       const below = (r.bottom - bottom) / scale, beside = (r.right - right) / scale;
       const name = el.tagName.toLowerCase() + ' "' + el.textContent.trim().slice(0, 50) + '"';
       if (below > slide.over_bottom) { slide.over_bottom = below; slide.what = name; }
+      // the lowest text of the slide's content (not marp's page number; an image's size does
+      // not depend on the fonts, and the check above holds it inside the slide)
+      if (below > slide.lowest && !el.closest('header, footer') && el.textContent.trim()) {
+        slide.lowest = below; slide.lowest_what = name;
+      }
       if (beside > slide.over_right) { slide.over_right = beside; slide.what = name; }
       if (el.tagName === 'CODE' && el.closest('pre')) {
         const px = parseFloat(getComputedStyle(el).fontSize);
@@ -149,6 +154,8 @@ function measure() {
       }
     });
     slide.over_bottom = Math.round(slide.over_bottom);
+    // px between the lowest content and the bottom padding (negative: past it)
+    slide.room_bottom = slide.lowest === -Infinity ? null : Math.round(-slide.lowest);
     slide.over_right = Math.round(slide.over_right);
     if (slide.min_code_px !== null) slide.min_code_px = Math.round(slide.min_code_px * 10) / 10;
     report.push(slide);

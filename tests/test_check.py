@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from check_mutations import CORRECT, MISTAKES
+from check_mutations import CORRECT, JOB_FILE_CORRECT, JOB_FILE_MISTAKES, MESSAGES, MISTAKES
 from conftest import ROOT, script_env
 
 sys.path.insert(0, str(ROOT))
@@ -82,6 +82,8 @@ def test_a_typical_mistake_is_reported_under_its_todo(tmp_path, step, rel, what,
     line = flagged[todo]
     if line.lstrip().startswith("FIX"):  # a FIX says what to change, not only what is wrong
         assert len(line.split(": ", 1)[-1]) > 30, line
+    for words in MESSAGES.get(what, ()):
+        assert words in line, f"{what}: the line does not say {words!r}\n{line}"
 
 
 @pytest.mark.parametrize("step, rel, what, replacements", CORRECT,
@@ -90,6 +92,42 @@ def test_a_right_solution_written_another_way_is_all_good(tmp_path, step, rel, w
                                                            replacements):
     code, text, flagged = run_check(step, copy_of(tmp_path, rel, *replacements))
     assert code == 0 and not flagged, f"{what}\n{text}"
+
+
+def copy_for_job_file(tmp_path, step, job_file, replacements):
+    """The job file (mutated) in tmp_path, and what to check: the job file itself (sbatch), or
+    the step's solution next to it (collectives: check.py reads the job file of its folder)."""
+    job = copy_of(tmp_path, job_file, *replacements, source=".")
+    return job if step == "sbatch" else copy_of(tmp_path, step_module(step).FILE)
+
+
+@pytest.mark.parametrize("step, job_file, what, replacements", JOB_FILE_MISTAKES,
+                         ids=[f"{m[0]}-{m[1]}-{m[2].replace(' ', '-')}" for m in JOB_FILE_MISTAKES])
+def test_a_job_file_without_todos_gets_a_fix_line_of_its_own(tmp_path, step, job_file, what,
+                                                               replacements):
+    code, text, _ = run_check(step, copy_for_job_file(tmp_path, step, job_file, replacements))
+    assert code == 1, text
+    line = re.search(rf"^  FIX +{re.escape(job_file)}: (.*)$", text, re.M)
+    assert line and len(line.group(1)) > 30, f"{what}\n{text}"
+    assert "Traceback" not in text and "could not finish" not in text, text
+
+
+@pytest.mark.parametrize("step, job_file, what, replacements",
+                         [*JOB_FILE_CORRECT, *[("sbatch", f, "as shipped", []) for f in
+                                               ("collectives.sbatch", "preflight.sbatch")]],
+                         ids=lambda v: v.replace(" ", "-") if isinstance(v, str) else None)
+def test_a_job_file_without_todos_that_works_is_all_good(tmp_path, step, job_file, what,
+                                                          replacements):
+    code, text, _ = run_check(step, copy_for_job_file(tmp_path, step, job_file, replacements))
+    assert code == 0 and re.search(rf"^  ok +{re.escape(job_file)}: ", text, re.M), text
+
+
+def test_the_dry_run_warns_about_a_torchrun_that_gets_no_process_count(tmp_path):
+    job = copy_of(tmp_path, "collectives.sbatch", *JOB_FILE_MISTAKES[0][3], source=".")
+    code, text, _ = run_check("sbatch", job, "--show")
+    assert code == 0 and "-> -1 process(es)" in text, text
+    assert re.search(r"^WARNING: torchrun on jrc0001 gets --nproc_per_node=: "
+                     r"\$SLURM_GPUS_PER_NODE is not set", text, re.M), text
 
 
 def test_every_todo_has_at_least_two_mistakes_in_this_suite():
@@ -154,6 +192,27 @@ def test_a_later_todo_not_started_yet_is_named_instead_of_a_crash(tmp_path):
     assert "Connection closed" not in flagged[37], text
 
 
+def test_a_run_that_needs_a_later_todo_says_done_only_when_the_todo_before_is():
+    from selfcheck.report import Report
+    report = Report({55: "a", 56: "b"}, {55: "edited", 56: "not started"})
+    report.needed(56, "the run needs it: x", after=55)
+    report.fail(55, "something to change in TODO 55's lines here")
+    lines, _ = report.render()
+    assert "now that TODO 55 is changed" in lines[1] and "is done" not in lines[1], lines
+    report = Report({55: "a", 56: "b"}, {55: "edited", 56: "not started"})
+    report.needed(56, "the run needs it: x", after=55)
+    report.ok(55, "fine")
+    assert "now that TODO 55 is done" in report.render()[0][1]
+
+
+def test_a_todo_not_checked_points_to_the_fix_above_or_below_it():
+    from selfcheck.report import Report
+    report = Report({1: "a", 2: "b", 3: "c"}, {1: "edited", 2: "edited", 3: "edited"})
+    report.fail(2, "what to change, said at length enough")
+    lines, _ = report.render()
+    assert "fix TODO 2 below first" in lines[0] and "fix TODO 2 above first" in lines[2], lines
+
+
 def test_a_todo_is_not_started_until_its_block_changes():
     source = ("a = 1\n# TODO 1: x\n#| exercise\n#| solution\nb = 2\n#| end\n"
               "# TODO 2: y\n#| exercise\nc = 3\n#| solution\nc = 4\n#| end\nd = 5\n")
@@ -176,8 +235,8 @@ def test_every_todo_of_the_exercise_is_not_started_and_of_the_solution_edited(st
 
 
 # ------------------------------------------------------------------- the command itself
-def check_command(*argv, env=None):
-    return subprocess.run([sys.executable, "check.py", *map(str, argv)], cwd=ROOT,
+def check_command(*argv, env=None, python=sys.executable):
+    return subprocess.run([python, "check.py", *map(str, argv)], cwd=ROOT,
                           env=env or script_env(COURSE_CHECK_CACHE=os.environ["COURSE_CHECK_CACHE"]),
                           capture_output=True, text=True, timeout=240)
 
@@ -225,6 +284,32 @@ def test_hints_get_one_level_more_detailed_each_time_and_are_counted():
     assert "TODO 5: 3 levels" in hints.used("ddp")
     code, text, _ = run_check("ddp", "--hint", 99)
     assert code == 2 and "TODOs 1-11" in text
+
+
+@pytest.mark.parametrize("step", ["collectives", "memory"])
+def test_the_second_hint_names_the_api_and_the_place_not_the_solutions_lines(step):
+    """Level 2 names what to use and where; only level 3 gives the lines."""
+    from selfcheck.steps.common import solution_blocks
+    module = step_module(step)
+    source = (ROOT / "course" / module.FILE).read_text()
+
+    def squeeze(text):
+        return re.sub(r"\s+", "", text)
+    for todo, lines in solution_blocks(source):
+        hint = squeeze(module.HINTS[todo][1])
+        copied = [line.strip() for line in lines if len(squeeze(line)) >= 16
+                  and squeeze(line) in hint]
+        assert not copied, f"TODO {todo}'s second hint holds its solution's lines: {copied}"
+
+
+def test_a_python_without_torch_is_told_to_activate_the_environment():
+    base = os.path.join(sys.base_prefix, "bin", "python3")
+    if not os.path.exists(base) or subprocess.run([base, "-c", "import torch"],
+                                                  capture_output=True).returncode == 0:
+        pytest.skip("no Python without torch here to try it with")
+    proc = check_command("ddp", env=script_env(), python=base)
+    assert proc.returncode == 2 and proc.stdout.count("\n") == 1, proc.stdout + proc.stderr
+    assert "has no torch" in proc.stdout and "source .venv/bin/activate" in proc.stdout
 
 
 @pytest.mark.parametrize("step", ORDER)

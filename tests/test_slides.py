@@ -37,6 +37,11 @@ IN_CI = os.environ.get("CI", "").lower() in ("true", "1", "yes")
 # Code is readable from the back of a room down to this size on a 1280 x 720 slide (marp
 # shrinks a wide code block until it fits: a long line makes all of the block small).
 MIN_CODE_PX = 18.0
+# The fonts every deck pins in its style (test_every_deck_pins_the_fonts_the_test_installs), and
+# the Debian package that has them: the same text then takes the same room on every machine.
+# Every slide keeps this much room under its lowest line (px of the 720 px slide): the fonts are
+# pinned (FONTS), but another Chromium or FreeType lays the same text out a few pixels apart.
+ROOM_PX = 8
 # A diagram's labels, as shown on the slide (the SVG's font size x displayed width / SVG width).
 MIN_DIAGRAM_PX = 16.0
 FIGURE_REF = re.compile(r"\]\((figures/[^)\s]+)\)|(?:src|href)=\"(figures/[^\"]+)\"")
@@ -97,6 +102,38 @@ def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
             used.add(Path(ref).name)
     unused = sorted(p.name for p in FIGURES.glob("*.svg") if p.name not in used)
     assert not unused, f"figures no deck shows: {unused}"
+
+
+# The decks written to the rule "slides explain the idea and show the shape; the TODO comment
+# and the hints name the API and the place; only the last hint gives the lines": deck -> the
+# course source whose TODO lines it must not show.
+IDEA_NOT_LINES = {"02b-memory.md": "course/train/memory_training.py",
+                  "00c2-collective-costs.md": "course/train/collectives.py"}
+
+
+@pytest.mark.parametrize("deck, source", IDEA_NOT_LINES.items())
+def test_a_deck_shows_the_idea_of_its_todos_not_their_lines(deck, source):
+    sys.path.insert(0, str(ROOT))
+    from selfcheck.steps.common import solution_blocks
+
+    def squeeze(text):
+        return re.sub(r"\s+", "", text)
+    slides = squeeze((SLIDES / deck).read_text())
+    for todo, lines in solution_blocks((ROOT / source).read_text()):
+        shown = [line.strip() for line in lines if len(squeeze(line)) >= 16
+                 and not line.strip().startswith("#") and squeeze(line) in slides]
+        assert not shown, f"{deck} shows TODO {todo}'s lines: {shown}"
+
+
+def test_every_deck_pins_the_fonts_the_test_installs():
+    for deck in decks():
+        head = deck.read_text().split("\n---\n", 1)[0]
+        style = re.search(r"^style: \|\n((?:  .*\n?)+)", head, re.M)
+        assert style, f"{deck.name}: no style in its front matter"
+        css = style.group(1)
+        assert re.search(r'section \{ font-family: "DejaVu Sans", sans-serif; \}', css), deck.name
+        assert re.search(r'section pre, section code \{ font-family: "DejaVu Sans Mono", '
+                         r"monospace; \}", css), deck.name
 
 
 def test_every_deck_is_marp_and_sorts_in_course_order():
@@ -180,6 +217,10 @@ def tools() -> tuple[Path, str]:
         if chromium is None:
             _unavailable("no Chromium: install Debian's `chromium` (apt-get as root) or set "
                          "CHROME_PATH")
+        if browser.missing_fonts():
+            _unavailable(f"the fonts the decks pin are not installed "
+                         f"({', '.join(browser.missing_fonts())}): apt-get install "
+                         f"{browser.FONTS_PACKAGE} (as root)")
     return marp, chromium
 
 
@@ -247,6 +288,11 @@ def test_no_slide_runs_past_the_bottom_or_the_right_edge(rendered):
                 problems.append(f"slides/{deck.name} slide {s['slide']}: {s['over_bottom']} px "
                                 f"past the bottom, {s['over_right']} px past the right edge "
                                 f"({s['what']})")
+            elif s.get("room_bottom") is not None and s["room_bottom"] < ROOM_PX:
+                problems.append(f"slides/{deck.name} slide {s['slide']}: only "
+                                f"{s['room_bottom']} px to spare at the bottom "
+                                f"({s['lowest_what']}), {ROOM_PX} needed: another browser "
+                                "lays text out a few pixels differently; shorten it")
     assert not problems, "\n".join(problems)
 
 

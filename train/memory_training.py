@@ -4,20 +4,22 @@ After the first step every script prints what one rank holds (utils/memory.py): 
 gradients, optimizer state and the activations saved for backward, measured, next to the
 formula. This step changes each of them on purpose (docs/memory.md, slides/02b-memory.md):
 
-  --grad-accum N                N micro-batches per optimizer step: the batch of N steps with
-                                the activations of one (TODO 55)
   --activation-checkpointing    each Transformer block keeps only its input and recomputes the
-                                rest in backward: fewer activations, more compute (TODO 56)
-  --layout zero1                AdamW's state sharded over the ranks (ZeroRedundancyOptimizer)
+                                rest in backward: fewer activations, more compute (TODO 55)
   --layout zero2 | zero3        FSDP2, keeping the gathered weights until backward or not
   --layout offload              FSDP2 with parameters, gradients and optimizer state in host
-                                memory (CPUOffloadPolicy)                      (TODOs 57, 58)
+                                memory, CPUOffloadPolicy (TODO 56)
+  --layout zero1                AdamW's state sharded over the ranks, ZeroRedundancyOptimizer
+                                (TODO 57)
+  --grad-accum N                N micro-batches per optimizer step: the batch of N steps with
+                                the activations of one (TODO 58)
 
 Check your work:  python check.py memory
-Run it:
-    python train/memory_training.py --preset tiny --max-steps 20
+Run it (each run in a folder of its own: --out-dir, or --overwrite to replace the last one):
+    python train/memory_training.py --preset tiny --max-steps 20 --out-dir runs/memory/one
     torchrun --standalone --nproc_per_node=2 train/memory_training.py --preset tiny \\
-        --max-steps 20 --grad-accum 4 --activation-checkpointing --layout zero3
+        --max-steps 20 --grad-accum 4 --activation-checkpointing --layout zero3 \\
+        --out-dir runs/memory/zero3
     sbatch memory_training.sbatch --layout zero1
 Compare the "memory per rank" lines of the layouts; tools/memory_plan.py predicts them for any
 model and GPU count before you ask for nodes.
@@ -51,14 +53,14 @@ from utils.precision import autocast, set_precision
 LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "offload")
 
 
-# TODO 56: Activation checkpointing per Transformer block: write
+# TODO 55: Activation checkpointing per Transformer block: write
 # apply_activation_checkpointing(model), returning the model, that replaces every block in
 # model.layers by the block wrapped with checkpoint_wrapper. A wrapped block saves nothing for
 # backward but its input, and runs its forward again during backward to get the rest back:
 # the activations of a block cost one tensor instead of about a dozen, for one more forward.
 
 
-# TODO 58: Shard with FSDP2 for the layouts zero2, zero3 and offload: fully_shard each block,
+# TODO 56: Shard with FSDP2 for the layouts zero2, zero3 and offload: fully_shard each block,
 # then the root, as in the FSDP step. zero3 frees each block's gathered weights after its
 # forward (reshard_after_forward=True) and gathers them again in backward; zero2 keeps them
 # until backward (False: more memory, one all-gather less per block); offload is zero3 with
@@ -66,13 +68,14 @@ LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "offload")
 # so the gradients and AdamW's state) in host memory and copies each block's to the GPU when it
 # is needed.
 def apply_fsdp(model: TransformerLM, layout: str) -> TransformerLM:
-    raise NotImplementedError(f"--layout {layout}: TODO 58")
+    raise NotImplementedError(f"--layout {layout}: TODO 56")
 
 
 @contextlib.contextmanager
 def no_gradient_sync(model):
-    """backward() inside adds this rank's gradients to .grad and talks to no other rank: DDP's
-    no_sync(), FSDP2's set_requires_gradient_sync(False)."""
+    """A micro-batch's forward and backward inside add this rank's gradients to .grad and talk
+    to no other rank: DDP's no_sync(), FSDP2's set_requires_gradient_sync(False). The forward
+    pass must be inside too: DDP decides in forward whether the next backward all-reduces."""
     if isinstance(model, DDP):
         with model.no_sync():
             yield
@@ -162,13 +165,14 @@ def main():
                 optimizer.zero_grad(set_to_none=True)
             micro += 1
             last = micro % args.grad_accum == 0  # the micro-batch that ends an optimizer step
-            # TODO 55: Gradient accumulation. backward() adds to .grad, so N backward passes
+            # TODO 58: Gradient accumulation. backward() adds to .grad, so N backward passes
             # before one optimizer step add up N micro-batches' gradients: divide each loss by
             # args.grad_accum, so the sum is the gradient of the mean loss of the whole batch
             # (as if it were one batch). And all-reduce once per step, not once per
-            # micro-batch: run all but the last micro-batch's backward inside
-            # no_gradient_sync(model) (DDP's no_sync), so the ranks' gradients are averaged
-            # only in the last one.
+            # micro-batch: run all but the last micro-batch inside no_gradient_sync(model),
+            # its forward pass and its backward both (DDP decides in forward whether the
+            # backward that follows all-reduces), so the ranks' gradients are averaged only in
+            # the last one.
             with autocast(args.precision, device):
                 logits = model(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())

@@ -299,6 +299,17 @@ def main():
     else:
         print0(f"alpha-beta fit to {source}: latency {latency * 1e6:.1f} us, bus bandwidth "
                f"{busbw / 1e9:.3f} GB/s")
+        # The fit's bus bandwidth is the slope's: what ever larger messages approach. Each
+        # measured point pays the latency on top, so its own busbw lies below the fit's; and
+        # where the points do not lie on a line (a busy CPU, caches) the two differ more.
+        size, seconds = max(fit_to)
+        factor_fit = 2 * (fit_world - 1) / fit_world
+        line = latency + size / busbw * factor_fit
+        print0(f"  the line against the largest message measured, {size} B: it took "
+               f"{seconds * 1e3:.3f} ms, {size / seconds * factor_fit / 1e9:.3f} GB/s bus "
+               f"bandwidth (latency included); the line says {line * 1e3:.3f} ms. The fit's "
+               "bandwidth is the slope's, what ever bigger messages approach: every measured "
+               "point also pays the latency, so its own busbw is lower")
 
     # ---- 4. what DDP's gradient all-reduce should cost per step ----
     corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
@@ -311,7 +322,8 @@ def main():
                  if not math.isnan(busbw) else math.nan)
     buckets = ddp_bucket_bytes(model)
     print0(f"model: {args.preset}, {model.num_params() / 1e6:.1f}M parameters, "
-           f"{sum(buckets) / 1e6:.1f} MB of gradients in {len(buckets)} DDP buckets; all-reduce "
+           f"{sum(buckets) / 1e6:.1f} MB of gradients in {len(buckets)} DDP "
+           f"bucket{'s' if len(buckets) != 1 else ''}; all-reduce "
            f"on {world_size} ranks, "
            + ("predicted: needs a bus bandwidth (above)" if math.isnan(busbw)
               else "predicted: not done yet (TODO 53)" if math.isnan(predicted)
@@ -326,7 +338,12 @@ def main():
                    "step with --profile and give its --out-dir")
         else:
             from_trace = allreduce_seconds_per_step(json.loads(trace_file.read_text()))
-            ratio = (f": {from_trace / predicted:.2f} x the prediction"
+            # the trace holds every all-reduce of a step: the gradient buckets' and the loss's
+            # (all_reduce_mean: one tiny message, about one latency), the prediction the buckets'
+            with_loss = predicted + latency
+            ratio = (f": {from_trace / with_loss:.2f} x the prediction plus one latency for the "
+                     f"loss's all-reduce ({with_loss * 1e3:.2f} ms; the trace counts it, the "
+                     "prediction is the gradients' alone)"
                      if predicted and not math.isnan(predicted) else "")
             print0(f"profiler trace {trace_file}: "
                    + ("not read yet (TODO 54)" if math.isnan(from_trace)

@@ -13,13 +13,17 @@ prediction for a known model, and the trace reading on a gloo and an NCCL trace.
 from __future__ import annotations
 
 import json
+import re
 
+from selfcheck import slurm
 from selfcheck.compare import near
-from selfcheck.probe import LESSON_FIT, LESSON_PREDICT, lesson_traces
+from selfcheck.probe import (LESSON_FIT, LESSON_PREDICT, least_squares, lesson_fit_times,
+                             lesson_traces)
 from selfcheck.runs import Geometry, Run
 from selfcheck.steps.common import calls, report_crash
 
 FILE = "train/collectives.py"
+JOB_FILE = "collectives.sbatch"
 WHAT = "collectives by hand: ring all-reduce, alpha-beta fit, DDP's all-reduce per step"
 TODOS = {49: "send and receive", 50: "reduce-scatter", 51: "all-gather", 52: "alpha-beta fit",
          53: "DDP's all-reduce per step", 54: "all-reduce time in a trace"}
@@ -40,22 +44,33 @@ def check(ctx) -> None:
     trace, _ = lesson_traces()["cpu"]
     (trace_dir / "profile" / "rank0.1.pt.trace.json").write_text(json.dumps(trace))
     run = Run(ctx.work, "yours", ctx.script, 4, geometry=RING,
-              extra=[*ARGS, "--trace", str(trace_dir)]).wait()
+              extra=[*ARGS, "--trace", str(trace_dir)])
+    # the job file that runs the lesson on two nodes (the one next to the checked file's train/
+    # folder, else the repository's), with the stand-ins for Slurm
+    job_file = next((p for p in (ctx.script.parent.parent / JOB_FILE, ctx.root / JOB_FILE)
+                     if p.is_file()), None)
+    if job_file is not None:
+        slurm.judge_job_file(rep, JOB_FILE, job_file, ctx.work)
+    run.wait()
     # what the probe found out before a crash comes first (gloo aborts a rank that receives
     # a message of the wrong size: its record is lost, the others' are kept)
     lessons = [r["lesson"] for r in run.ranks if r and r.get("lesson")]
     if lessons:
         check_fit(ctx, lessons[0].get("fit"))
+        check_noisy_fit(ctx, lessons[0].get("fit_noisy"))
         check_prediction(ctx, lessons[0].get("predict"))
         check_trace(ctx, lessons[0].get("trace"))
         rings = {lesson["ring"]["rank"]: lesson["ring"] for lesson in lessons
                  if lesson.get("ring")}
         if rings:
             check_ring(ctx, run, rings)
+    check_requests(ctx, run)
     if run.crashed:
         failure = run.failure
         in_ring = failure is not None and failure.func in RING_PARTS
-        if not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
+        if failure is not None and check_sizes(ctx, run, failure):
+            pass
+        elif not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
             report_crash(ctx, run, cause=RING_CAUSE if in_ring and (
                 failure.kind in ("hung", "timeout") or failure.peer or "size" in
                 failure.message) else None)
@@ -63,6 +78,64 @@ def check(ctx) -> None:
 
 
 # ------------------------------------------------------------------------------ the ring
+SIZE_MISMATCH = re.compile(r"(\d+) vs (\d+)\. Received data size doesn't match|size mismatch",
+                           re.I)
+
+
+def check_requests(ctx, run) -> None:
+    """A request of isend or irecv that the script never waited for (dropped, it can cancel
+    the message: its receiver then waits forever)."""
+    rep = ctx.report
+    for record in run.ranks:
+        for entry in (record or {}).get("requests", []):
+            if entry["waited"] or not entry.get("dropped"):
+                continue
+            todo = RING_PARTS.get(entry["func"]) or ctx.todo_of(entry["line"])
+            if todo in rep.names and not rep.failed(todo):
+                rep.fail(todo, f"line {entry['line']} ({entry['func']}) never waits for the "
+                         f"request dist.{entry['name']} returns: keep every request of isend "
+                         "and irecv (or all that batch_isend_irecv returns) and wait() for each, "
+                         "the send's too; a request dropped unwaited can cancel its message, and "
+                         "the other rank waits forever")
+                rep.attempt(todo)
+            return
+
+
+def check_sizes(ctx, run, failure) -> bool:
+    """A message that arrived in a buffer of another size (gloo ends the receiving process):
+    the chunk received is not the chunk the left neighbour sends. True if reported."""
+    rep = ctx.report
+    texts = [failure.message, *failure.others.values(), run.output]
+    found = next((m for t in texts for m in [SIZE_MISMATCH.search(t or "")] if m), None)
+    if found is None:
+        return False
+    parts = [f["func"] for f in failure.frames if f["func"] in RING_PARTS]
+    outer = [p for p in parts if p != "send_right_receive_left"]
+    function = outer[-1] if outer else (parts[-1] if parts else "send_right_receive_left")
+    todo = RING_PARTS[function]
+    sizes = ""
+    if found.group(1):
+        got, room = int(found.group(1)), int(found.group(2))
+        sizes = (f": {got} bytes arrived in a buffer of {room} ({got // 4} elements into "
+                 f"{room // 4})")
+    who = f"rank {failure.rank}" if failure.rank is not None else "a rank"
+    where = f" (line {failure.line})" if failure.line else ""
+    if rep.failed(todo):
+        return True
+    rep.fail(todo, f"in {function}{where} {who} received a message of another size than its "
+             f"buffer{sizes}: in each step the chunk a rank receives must be the one its left "
+             "neighbour sends in that step, the same index on both sides: send chunk "
+             "(rank - s) % n, receive into a buffer the size of chunk (rank - s - 1) % n (the "
+             "chunks differ in size by one)" if todo == 50 else
+             f"in {function}{where} {who} received a message of another size than its "
+             f"buffer{sizes}: in step s send chunk (rank + 1 - s) % n and receive into chunk "
+             "(rank - s) % n, the one the left neighbour sends in the same step" if todo == 51
+             else f"in {function}{where} {who} received a message of another size than its "
+             f"buffer{sizes}: receive into `recv` exactly, from (rank - 1) % n")
+    rep.attempt(todo)
+    return True
+
+
 def collectives_in(run, function: str) -> list[str]:
     """The collectives (not point-to-point messages) a ring function of the script called."""
     names = ("dist.all_reduce", "dist.broadcast", "dist.all_gather", "dist.all_gather_single",
@@ -212,6 +285,33 @@ def check_fit(ctx, entry) -> None:
                f"recovered from exact times on {n} ranks")
 
 
+def check_noisy_fit(ctx, entry) -> None:
+    """Measured times are never on a line: the fit must be least squares through all points
+    (a line through two of them, or a fit of some of them, follows their noise)."""
+    rep = ctx.report
+    if entry is None or rep.failed(52):
+        return
+    value = returned(entry, 52, rep, "fit_alpha_beta")
+    if not isinstance(value, list) or len(value) != 2 or any(isinstance(v, str) or v != v
+                                                              for v in value):
+        if value is not None:
+            rep.fail(52, f"on measured times (not exactly on a line) fit_alpha_beta returned "
+                     f"{value}: return (latency, busbw) of the least-squares line")
+        return
+    f = LESSON_FIT
+    n = f["world_size"]
+    intercept, slope = least_squares(f["sizes"], lesson_fit_times(noisy=True))
+    want_latency, want_busbw = intercept, (1 / slope) * 2 * (n - 1) / n
+    latency, busbw = value
+    if near(latency, want_latency, 1e-6, 1e-12) and near(busbw, want_busbw, 1e-6, 0):
+        return
+    rep.fail(52, f"on times a few per cent off a line (as measured times are) fit_alpha_beta "
+             f"gives latency {latency * 1e6:.4g} us and bus bandwidth {busbw / 1e9:.4g} GB/s, "
+             f"the least-squares line through all {len(f['sizes'])} points {want_latency * 1e6:.4g} "
+             f"us and {want_busbw / 1e9:.4g} GB/s: fit every point by least squares (a line "
+             "through two points follows their noise)")
+
+
 def ddp_buckets(p: dict) -> list[int]:
     """The bucket sizes DDP forms for probe.lesson_model(p): in reverse order, a bucket closed
     at 1 MiB (the first) or 25 MiB (the others)."""
@@ -321,34 +421,39 @@ HINTS = {
     49: ("A ring step moves one tensor to the next rank while the previous rank's tensor "
          "arrives. If every rank first sent and then received, every rank would wait in its "
          "send for a receive that nobody posts yet.",
-         "Non-blocking point-to-point: dist.P2POp(dist.isend, send, (rank + 1) % n) and "
-         "dist.P2POp(dist.irecv, recv, (rank - 1) % n) in dist.batch_isend_irecv([...]), then "
-         "wait() on every request it returns."),
+         "torch.distributed's non-blocking point-to-point calls, in send_right_receive_left: "
+         "isend to the right neighbour and irecv from the left (or both as P2POps given to "
+         "batch_isend_irecv); each returns a request: post both, then wait() for every one."),
     50: ("Reduce-scatter: the tensor is cut into n chunks; in n - 1 steps each chunk travels "
          "once around the ring, and every rank it passes adds its own part, so that after the "
          "last step each rank holds one chunk that has visited everybody.",
-         "for step in range(n - 1): send chunks[(rank - step) % n] with send_right_receive_left "
-         "and receive into torch.empty_like(chunks[(rank - step - 1) % n]), then "
-         "chunks[(rank - step - 1) % n] += received (in place: the chunks are views)."),
+         "In ring_reduce_scatter: n - 1 calls of send_right_receive_left, one per step; the "
+         "chunk sent and the chunk added into move back by one each step (the TODO comment has "
+         "their indices); receive into a fresh buffer of that chunk's size (torch.empty_like) "
+         "and add it in place, since the chunks are views of the tensor."),
     51: ("All-gather: every rank now has one complete chunk. n - 1 more steps pass them on "
          "around the ring until every rank has all of them; nothing is added any more.",
-         "for step in range(n - 1): send_right_receive_left(chunks[(rank + 1 - step) % n], "
-         "chunks[(rank - step) % n]): receive straight into place."),
+         "In ring_all_gather: n - 1 more calls of send_right_receive_left, each sending the "
+         "chunk this rank completed last and receiving straight into the chunk its left "
+         "neighbour completed (no buffer, no addition)."),
     52: ("The alpha-beta model: a message of S bytes takes latency + S / bandwidth. Measured "
-         "times against sizes lie on a straight line; its intercept is the latency, its slope "
+         "times against sizes lie near a straight line; its intercept is the latency, its slope "
          "1 / (algorithm bandwidth). The bus bandwidth, what each link carried, is the "
          "algorithm bandwidth times 2 (n - 1) / n for an all-reduce.",
-         "Least squares: slope = sum((x - mean_x) (y - mean_y)) / sum((x - mean_x)^2), latency "
-         "= mean_y - slope mean_x; return latency, (1 / slope) x 2 (world_size - 1) / "
-         "world_size."),
+         "In fit_alpha_beta: an ordinary least-squares line through all the points, seconds "
+         "against bytes (by hand from the means, as the TODO comment writes it, or "
+         "statistics.linear_regression); its intercept is the latency; the slope gives the "
+         "algorithm bandwidth, the all-reduce's factor turns that into the bus bandwidth."),
     53: ("DDP all-reduces the gradients bucket by bucket (ddp_bucket_bytes lists them). Each "
          "all-reduce pays the latency once and moves 2 (n - 1) / n of its bytes over each link.",
-         "factor = 2 * (world_size - 1) / world_size; return the sum over nbytes in buckets of "
-         "latency + nbytes * factor / busbw (seconds)."),
+         "In predict_ddp_allreduce_s, over the buckets it already has: the alpha-beta time of "
+         "one ring all-reduce per bucket (its latency, and its bytes times the ring's factor "
+         "over the bus bandwidth), added up, in seconds."),
     54: ("A profiler trace is a list of events, each with a name, a category and a duration in "
          "microseconds. The all-reduce time is in the events that do the work (NCCL kernels on a "
          "GPU, gloo's ranges on a CPU), not in those that only launch them.",
-         "steps: events with cat 'user_annotation' whose name starts with 'ProfilerStep#'; "
-         "all-reduces: cat 'kernel' with 'AllReduce' in the name, or if there are none, "
-         "'gloo:all_reduce' ranges; sum(dur) / 1e6 / steps."),
+         "In allreduce_seconds_per_step: filter trace['traceEvents'] by their 'cat' and 'name': "
+         "the step markers (ProfilerStep#N, counted once: the CPU-side category), and the "
+         "all-reduces (the kernels with AllReduce in the name, else gloo's own ranges); add up "
+         "their 'dur' (microseconds) per profiled step."),
 }

@@ -112,6 +112,10 @@ KNOWN_CAUSES = [
      "the script's parser has no such option yet"),
     (r"Profiler must be initialized", "the profiler recorded no step: call profiler.step() "
      "after every training step"),
+    (r"does not support containers that do not implement forward",
+     "fully_shard takes a module that computes something: each block of model.layers (for "
+     "block in model.layers.values(): fully_shard(block, ...)), not the ModuleDict that holds "
+     "them; then the whole model"),
     (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
      "tensor shapes do not fit: a layer split or kept where it should not be"),
 ]
@@ -150,8 +154,9 @@ def crash_todo(ctx: Context, failure) -> int | None:
 
 
 def report_crash(ctx: Context, run, todo: int | None = None, cause: str | None = None,
-                 default_todo: int | None = None) -> int | None:
-    """One FIX line for a run that did not finish, under the TODO it belongs to."""
+                 default_todo: int | None = None, prefix: str = "") -> int | None:
+    """One FIX line for a run that did not finish, under the TODO it belongs to. prefix: which
+    run it was ("with --layout zero2, "), for a step that runs several."""
     f = run.failure
     rep = ctx.report
     if f is None:
@@ -169,12 +174,11 @@ def report_crash(ctx: Context, run, todo: int | None = None, cause: str | None =
     else:
         what = f"{who} stopped{f.where()} with: {f.message}"
         cause = cause or usual_cause(f.message)
-    text = what + (f": {cause}" if cause else "")
+    text = prefix + what + (f": {cause}" if cause else "")
     if todo is not None and todo in rep.names:
         if ctx.status.get(todo) == "not started" and todo not in rep.attempted:
             done = [n for n, s in ctx.status.items() if s == "edited" and n < todo]
-            later = f" now that TODO {max(done)} is done" if done else ""
-            rep.needed(todo, f"the run needs it{later}: {text}")
+            rep.needed(todo, f"the run needs it: {text}", after=max(done) if done else None)
         else:
             rep.fail(todo, text)
             rep.attempt(todo)

@@ -7,12 +7,13 @@ with the same global batch. Dropout is off: every loss, evaluation and weight mu
 
 from __future__ import annotations
 
+from selfcheck import standin
 from selfcheck.compare import near
-from selfcheck.runs import ONE, TWO_NODES, Run
+from selfcheck.runs import ONE, TWO_NODES, Geometry, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_new_order,
                                     check_prints_once, check_tokens, check_training_shards,
-                                    check_weights_file, report_crash)
+                                    check_weights_file, crash_todo, report_crash)
 
 FILE = "train/to_distributed_training.py"
 WHAT = "DDP: samplers, DDP wrapper, reductions, rank 0 output"
@@ -30,7 +31,10 @@ def check(ctx) -> None:
     ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, BATCH * 2, geometry=ONE,
               reference=True)
     run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES, eval_probe=True)
-    ref.wait(), run.wait()
+    # two nodes of two GPUs each, stand-ins (selfcheck/standin.py): the script's cuda branches
+    gpu = Run(ctx.work, "stand-in gpus", ctx.script, BATCH, geometry=Geometry(2, 2), gpu=True,
+              extra=["--max-steps", "2"])
+    ref.wait(), run.wait(), gpu.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     records = [r for r in run.ranks if r]
@@ -48,6 +52,7 @@ def check(ctx) -> None:
                                         todo_loader=4)
         check_new_order(ctx, run, 6, 3)
     check_ddp(ctx, run, ref)
+    check_ddp_on_gpus(ctx, run, gpu)
     if run.crashed:
         check_imports(ctx, 1, run) if not rep.failed(1) else None
         return
@@ -119,6 +124,39 @@ def check_ddp(ctx, run, ref) -> None:
     else:
         rep.fail(5, "the ranks' weights drift apart: wrap the model, model = DDP(model, "
                  "device_ids=[local_rank] if device.type == 'cuda' else None)")
+
+
+def check_ddp_on_gpus(ctx, run, gpu) -> None:
+    """TODO 5 on two nodes of two GPUs: each process's DDP gets the GPU of its local rank."""
+    rep = ctx.report
+    if run.crashed or rep.failed(5) or not rep.judged(5):
+        return
+    if gpu.crashed:
+        f = gpu.failure
+        if f is not None and crash_todo(ctx, f) == 5 and not standin.beyond_the_standin(f):
+            rep.fail(5, f"on two nodes with 2 GPUs each (the check's stand-ins) the run would "
+                     f"stop{f.where()} with: {f.message}")
+        return
+    for rank, record in enumerate(gpu.ranks):
+        seen = (record or {}).get("gpu", {})
+        if not seen.get("ddp"):
+            continue
+        ddp, local = seen["ddp"][0], seen["device_index"]
+        ids = ddp["device_ids"]
+        if ids != [local]:
+            node = rank // gpu.geometry.per_node
+            why = (" (the global rank: there is no such GPU on a node of 2)" if ids == [rank]
+                   and rank != local else " (every process of the node on one GPU)"
+                   if ids and ids[0] == 0 and local != 0 else "")
+            rep.fail(5, f"on 2 nodes x 2 GPUs, rank {rank} (node {node}, local rank {local}) "
+                     f"gives DDP device_ids={ids}{why}: device_ids=[local_rank] on a GPU, "
+                     "the GPU setup() gave this process")
+            return
+        if ddp.get("output_device") not in (None, local):
+            rep.fail(5, f"rank {rank} gives DDP output_device={ddp['output_device']}, its GPU "
+                     f"is {local}: leave output_device out (it defaults to device_ids[0])")
+            return
+    rep.ok(5, "on 2 nodes x 2 GPUs each process's DDP uses the GPU of its local rank")
 
 
 def check_saves(ctx, run, ref) -> None:

@@ -1,45 +1,75 @@
-"""The memory step, train/memory_training.py (TODOs 55-58): gradient accumulation, activation
-checkpointing, ZeRO-1, FSDP2 layouts and CPU offload.
+"""The memory step, train/memory_training.py (TODOs 55-58): activation checkpointing, FSDP2
+layouts and offload, ZeRO-1, gradient accumulation.
 
 Every way of saving memory must train exactly what one process trains on the same global batch,
-and must save what it claims. Runs, all next to the solution in one process with a batch of
-4 x BATCH: yours as two nodes with --grad-accum 2 (DDP's all-reduces counted by the probe); with
---layout zero1; in one process with --activation-checkpointing; with --layout zero2 and
---layout offload. What each run saved is read from the memory breakdown the script wrote into
-summary.json (utils/memory.py: tensors counted, not text read), against the formula.
+and must save what it promises. Your script runs as two nodes with one process each, next to
+the solution in one process with the whole batch, in every layout (ddp, zero1, zero2, zero3,
+offload), each layout once with --grad-accum 2 and once with --activation-checkpointing (ddp:
+once with both, once with neither), so that every layout meets every option and every two
+options meet at least once. A mistake that shows only in one layout, or only with one option,
+shows here.
+
+What a run promises is read from what it built (the probe): which modules are FSDP units, whether
+each reshards after forward and keeps its shards in host memory, the optimizer's class and the
+learning rate and weight decay it runs with, which blocks are checkpoint-wrapped; and from what
+it measured (utils/memory.py's breakdown in summary.json: tensors counted, not text read) against
+the formula. DDP's all-reduces and FSDP's reduce-scatters are counted (a micro-batch outside
+no_gradient_sync talks to the other ranks). The offload run with checkpointing runs on a stand-in
+GPU (selfcheck/standin.py), where the offload policy pins host memory.
 """
 
 from __future__ import annotations
 
+from selfcheck import standin
 from selfcheck.compare import first_difference, near
 from selfcheck.runs import ONE, TWO_NODES, Run
-from selfcheck.steps.common import check_losses, report_crash
+from selfcheck.steps.common import check_losses, crash_todo, report_crash
 
 FILE = "train/memory_training.py"
-WHAT = "memory: gradient accumulation, activation checkpointing, ZeRO-1/2/3, offload"
-TODOS = {55: "gradient accumulation", 56: "activation checkpointing", 57: "ZeRO-1",
-         58: "FSDP2 layouts and offload"}
-BATCH = 2
+WHAT = "memory: activation checkpointing, FSDP2 layouts and offload, ZeRO-1, accumulation"
+TODOS = {55: "activation checkpointing", 56: "FSDP2 layouts and offload", 57: "ZeRO-1",
+         58: "gradient accumulation"}
+CHECKPOINTING, FSDP, ZERO1, ACCUMULATION = 55, 56, 57, 58
+WHOLE_BATCH = 8  # per optimizer step, over both ranks and all micro-batches
 COUNT = {"CHECK_COUNT_ALLREDUCES": "1"}
 OPTIONAL = {"--grad-accum": 1, "--layout": 1, "--activation-checkpointing": 0}
+LAYOUT_TODO = {"ddp": None, "zero1": ZERO1, "zero2": FSDP, "zero3": FSDP, "offload": FSDP}
+# (layout, micro-batches per step, activation checkpointing): each layout with accumulation and
+# with checkpointing, and every pair of the three options at least once
+COMBINATIONS = [("ddp", 1, False), ("ddp", 2, True),
+                ("zero1", 2, False), ("zero1", 1, True),
+                ("zero2", 2, False), ("zero2", 1, True),
+                ("zero3", 2, False), ("zero3", 1, True),
+                ("offload", 2, False), ("offload", 1, True)]
+ON_A_GPU = ("offload", 1, True)  # the stand-in GPU's run
+
+
+def fail(rep, todo: int, text: str) -> None:
+    """One FIX per TODO: the first run that shows it (many runs show the same mistake)."""
+    if not rep.failed(todo):
+        rep.fail(todo, text)
+
+
+def flags(key) -> str:
+    layout, accum, ckpt = key
+    return " ".join([f"--layout {layout}", *([f"--grad-accum {accum}"] if accum > 1 else []),
+                     *(["--activation-checkpointing"] if ckpt else [])])
 
 
 def check(ctx) -> None:
-    rep = ctx.report
-    ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, BATCH * 4, reference=True,
-              env=COUNT)
-    runs = {
-        55: Run(ctx.work, "grad-accum", ctx.script, BATCH, geometry=TWO_NODES, env=COUNT,
-                extra=["--grad-accum", "2"], optional=OPTIONAL),
-        57: Run(ctx.work, "zero1", ctx.script, BATCH * 2, geometry=TWO_NODES,
-                extra=["--layout", "zero1"], optional=OPTIONAL),
-        56: Run(ctx.work, "checkpointing", ctx.script, BATCH * 4, geometry=ONE,
-                extra=["--activation-checkpointing"], optional=OPTIONAL),
-        "zero2": Run(ctx.work, "zero2", ctx.script, BATCH * 2, geometry=TWO_NODES,
-                     extra=["--layout", "zero2"], optional=OPTIONAL),
-        "offload": Run(ctx.work, "offload", ctx.script, BATCH * 2, geometry=TWO_NODES,
-                       extra=["--layout", "offload"], optional=OPTIONAL),
-    }
+    ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, WHOLE_BATCH, geometry=ONE,
+              reference=True, env=COUNT)
+    runs = {}
+    for key in COMBINATIONS:
+        layout, accum, ckpt = key
+        extra = ["--layout", layout]
+        extra += ["--grad-accum", str(accum)] if accum > 1 else []
+        extra += ["--activation-checkpointing"] if ckpt else []
+        gpu = key == ON_A_GPU
+        extra += ["--precision", "fp32"] if gpu else []  # (auto would be bf16 on a GPU)
+        runs[key] = Run(ctx.work, flags(key).replace("--", "").replace(" ", "-"), ctx.script,
+                        WHOLE_BATCH // (2 * accum), geometry=TWO_NODES, env=COUNT, extra=extra,
+                        optional=OPTIONAL, gpu=gpu)
     for run in runs.values():
         run.wait()
     ref.wait()
@@ -47,23 +77,44 @@ def check(ctx) -> None:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     finished = {}
     for key, run in runs.items():
-        todo = key if isinstance(key, int) else 58
         if run.crashed:
-            if not rep.failed(todo):
-                report_crash(ctx, run, default_todo=todo)
-                rep.note(f"(full output of the {run.name} run: {run.dir / 'output.txt'})")
-        elif run.summary:
+            report_run_crash(ctx, key, run)
+        elif run.summary and run.summary["args"].get("layout") == key[0]:
             finished[key] = run
-    if 55 in finished:
-        check_accumulation(ctx, finished[55], ref)
-    if 56 in finished:
-        check_checkpointing(ctx, finished[56], ref)
-    if 57 in finished:
-        check_zero1(ctx, finished[57], ref)
-    if "zero2" in finished and "offload" in finished:
-        check_fsdp(ctx, finished["zero2"], finished["offload"], ref)
+    # what each run built and measured first: where it breaks a promise, that is the cause of
+    # any difference in training too
+    for key, run in finished.items():
+        check_promises(ctx, key, run, ref, finished)
+    trained = {key: same_training(ctx, run, ref, key) for key, run in finished.items()}
+    blame_training(ctx, trained, finished, ref)
 
 
+# ------------------------------------------------------------------------------ crashes
+def report_run_crash(ctx, key, run) -> None:
+    """The first crash of each TODO, with the options of the run it happened in."""
+    rep = ctx.report
+    layout, accum, ckpt = key
+    f = run.failure
+    message = f.message if f else ""
+    default = (CHECKPOINTING if "apply_activation_checkpointing" in message or ckpt and not
+               LAYOUT_TODO[layout] else LAYOUT_TODO[layout] or ACCUMULATION)
+    cause, todo = None, None
+    if "no_sync" in message and layout in ("zero2", "zero3", "offload"):
+        cause = ("FSDP2's modules have no no_sync(): no_gradient_sync(model) calls DDP's "
+                 "no_sync() or FSDP2's set_requires_gradient_sync(False), whichever the model is")
+        todo = ACCUMULATION
+    if key == ON_A_GPU and standin.beyond_the_standin(f):
+        rep.note(f"(the check's stand-in GPU could not follow line {f.line}: {f.message}; the "
+                 f"{flags(key)} run is not judged)")
+        return
+    target = todo or (crash_todo(ctx, f) if f else None) or default
+    if rep.failed(target):
+        return  # said already, for another run
+    report_crash(ctx, run, todo=target, cause=cause, prefix=f"with {flags(key)}, ")
+    rep.note(f"(full output of the {flags(key)} run: {run.dir / 'output.txt'})")
+
+
+# ------------------------------------------------------------------------------ training
 def memory(run, key: str, rank: int = 0):
     return run.summary["memory"]["per_rank"][rank]["measured"][key]
 
@@ -72,143 +123,284 @@ def formula(run, key: str, rank: int = 0):
     return run.summary["memory"]["per_rank"][rank]["formula"][key]
 
 
+def tokens(run, rank: int = 0):
+    return run.summary["memory"]["per_rank"][rank]["tokens_per_microbatch"]
+
+
 def grad_norms(run) -> list[float]:
     return [e["metrics"]["train/grad_norm"] for e in run.ranks[0].get("logged", [])
             if "train/grad_norm" in e["metrics"]]
 
 
-def same_training(ctx, run, ref, todo: int, what: str) -> bool:
-    """Losses and gradient norms of every step equal the single-process run's. (Says nothing
-    when they do: the TODO's own verdict follows; an exercise left as shipped that trains
-    right, e.g. AdamW unsharded, stays "not started".)"""
-    before = len(ctx.report.verdicts.get(todo, []))
-    if not check_losses(ctx, run, ref, todo, what):
-        return False
-    del ctx.report.verdicts[todo][before:]  # check_losses's ok line
+def same_training(ctx, run, ref, key):
+    """True when losses and gradient norms of every step equal the single-process run's; else
+    (TODO-less) what differs, for blame_training to put under the right TODO."""
+    class Quiet:  # check_losses's verdicts, caught instead of reported
+        def __init__(self):
+            self.lines = []
+
+        def ok(self, todo, text):
+            pass
+
+        def fail(self, todo, text):
+            self.lines.append(text)
+
+    quiet = Quiet()
+    real = ctx.report
+    ctx.report = quiet
+    try:
+        check_losses(ctx, run, ref, 0, f"the losses with {flags(key)}")
+    finally:
+        ctx.report = real
+    if quiet.lines:
+        return quiet.lines[0]
     mine, theirs = grad_norms(run), grad_norms(ref)
     i = first_difference(mine, theirs, 1e-4)
     if i is not None and i < min(len(mine), len(theirs)):
         ratio = mine[i] / theirs[i] if theirs[i] else float("nan")
-        ctx.report.fail(todo, f"the gradients differ from the single-process run's from step "
-                        f"{i + 1} on (norm {mine[i]:.4g} vs {theirs[i]:.4g}"
-                        + (f", {ratio:.2g} times as large" if near(ratio, round(ratio), 0.02)
-                           and round(ratio) > 1 else "") + ")")
-        return False
+        return (f"with {flags(key)} the gradients differ from the single-process run's from step "
+                f"{i + 1} on (norm {mine[i]:.4g} vs {theirs[i]:.4g}"
+                + (f", {ratio:.2g} times as large" if near(ratio, round(ratio), 0.02)
+                   and round(ratio) > 1 else "") + ")")
     return True
 
 
-def check_accumulation(ctx, run, ref) -> None:
+def features(key) -> list[str]:
+    layout, accum, ckpt = key
+    return ([f"layout {layout}"] if LAYOUT_TODO[layout] else []) + \
+        (["accumulation"] if accum > 1 else []) + (["checkpointing"] if ckpt else [])
+
+
+def feature_todo(feature: str) -> int:
+    if feature.startswith("layout"):
+        return LAYOUT_TODO[feature.split()[1]]
+    return {"accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}[feature]
+
+
+def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
+    """A run that trains differently: its TODO is that of an option no run that trains right
+    uses (with accumulation 2, a loss twice the whole batch's is the undivided loss)."""
     rep = ctx.report
-    if not run.summary["args"].get("grad_accum") or run.summary["args"]["grad_accum"] != 2:
-        return  # the option is the shipped one: nothing else to judge
-    losses_ok = same_training(ctx, run, ref, 55, "the losses of 2 micro-batches per step")
-    if not losses_ok:
+    cleared = {f for key, good in trained.items() if good is True for f in features(key)}
+    for key, what in trained.items():
+        if what is True:
+            continue
+        run = runs[key]
         mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
-        if mine and theirs and near(mine[0] / theirs[0], 2.0, 0.02):
-            rep.fail(55, "every step's loss is twice the whole batch's: divide each "
-                     "micro-batch's loss by args.grad_accum before backward()")
-        return
-    steps = run.summary["steps"]
-    per_backward = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
-    counted = run.ranks[0].get("allreduces")
-    if counted is None or not per_backward:
-        return
-    if counted > steps * per_backward:
-        rep.fail(55, f"DDP all-reduced the gradients {counted} times in {steps} steps, once "
-                 f"per micro-batch: run all but the last micro-batch's backward inside "
-                 f"no_gradient_sync(model) (DDP's no_sync), so the ranks talk once per step")
+        if key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], 2.0, 0.02):
+            todo, what = ACCUMULATION, (f"with {flags(key)} every step's loss is twice the whole "
+                                        "batch's: divide each micro-batch's loss by "
+                                        "args.grad_accum before backward()")
+        else:
+            suspects = [f for f in features(key) if f not in cleared] or features(key)
+            # several suspects: the accumulation loop first (where the step is made), then the
+            # layout, then checkpointing
+            order = ("accumulation", "layout", "checkpointing")
+            suspects.sort(key=lambda f: order.index(f.split()[0]))
+            todo = feature_todo(suspects[0]) if suspects else ACCUMULATION
+        if not rep.failed(todo):
+            fail(rep, todo, what)
+
+
+# ------------------------------------------------------------------------------ promises
+def check_promises(ctx, key, run, ref, runs) -> None:
+    """What the run's options promise, on the objects it built and the bytes it measured."""
+    layout, accum, ckpt = key
+    if layout in ("zero2", "zero3", "offload"):
+        check_fsdp(ctx, key, run, ref)
     else:
-        rep.ok(55, f"2 micro-batches per step train like one process with the whole batch, "
-               f"with {counted // steps if steps else 0} all-reduce(s) per step")
+        check_replicated(ctx, key, run, ref)
+    if ckpt:
+        check_checkpointing(ctx, key, run, ref)
+    if accum > 1:
+        check_accumulation(ctx, key, run, ref, runs)
 
 
-def check_checkpointing(ctx, run, ref) -> None:
+def check_replicated(ctx, key, run, ref) -> None:
+    """ddp and zero1: DDP; AdamW's state whole (ddp) or sharded with AdamW's arguments (zero1)."""
     rep = ctx.report
-    if not run.summary["args"].get("activation_checkpointing"):
-        return
-    if not same_training(ctx, run, ref, 56, "the losses with activation checkpointing"):
-        return
-    saved, full, expected = memory(run, "activations"), memory(ref, "activations"), \
-        formula(run, "activations")
-    if near(saved, full, 0.02):
-        rep.fail(56, "the blocks still save all their activations: replace every block of "
-                 "model.layers by checkpoint_wrapper(block)")
-    elif saved < 0.7 * expected:
-        rep.fail(56, f"{saved} bytes of activations, fewer than the {expected:.0f} that "
-                 "checkpointing each block keeps: checkpoint each Transformer block on its own, "
-                 "not the whole model (whose backward then recomputes everything at once)")
-    elif saved > 1.3 * expected:
-        rep.fail(56, f"{saved} bytes of activations, more than the {expected:.0f} of every "
-                 "block checkpointed whole: wrap each block of model.layers (all of them, "
-                 "the whole block)")
-    else:
-        rep.ok(56, f"each block keeps only its input: {saved / full:.0%} of the activations, "
-               "the same losses")
-
-
-def check_zero1(ctx, run, ref) -> None:
-    rep = ctx.report
-    if run.summary["args"].get("layout") != "zero1":
-        return
-    if not same_training(ctx, run, ref, 57, "the losses with --layout zero1"):
-        return
+    layout = key[0]
+    r0 = run.ranks[0]
+    values = (r0.get("parser") or {}).get("values", {})
+    optimizers = r0.get("optimizers", [])
+    zero = [o for o in optimizers if o["class"] == "ZeroRedundancyOptimizer"]
+    if zero:
+        rep.attempt(ZERO1)
     mine, whole = memory(run, "optimizer"), memory(ref, "optimizer")
+    if layout == "ddp":
+        if zero or mine < 0.75 * whole:
+            fail(rep, ZERO1, f"with {flags(key)} AdamW's state is sharded too ({mine / whole:.0%} "
+                     "on each rank): a ZeroRedundancyOptimizer for --layout zero1 only, the "
+                     "plain AdamW for the others")
+        return
+    if not zero:
+        fail(rep, ZERO1, f"with {flags(key)} every rank holds AdamW's whole state ({mine} bytes): "
+                 "make the optimizer a ZeroRedundancyOptimizer for --layout zero1")
+        return
+    z = zero[0]
+    if z["optimizer_class"] != "AdamW":
+        fail(rep, ZERO1, f"the ZeroRedundancyOptimizer runs {z['optimizer_class']}, the course "
+                 "trains with AdamW: optimizer_class=torch.optim.AdamW")
+        return
+    wrong = [f"{name}={z[name]:g} where the run asks for {values[name]:g}"
+             for name in ("lr", "weight_decay") if name in values and z.get(name) is not None
+             and not near(z[name], values[name], 1e-9, 0)]
+    if wrong:
+        fail(rep, ZERO1, f"the ZeroRedundancyOptimizer's AdamW runs with {' and '.join(wrong)} "
+             "(AdamW's defaults): pass AdamW's arguments on, ZeroRedundancyOptimizer(..., "
+             "optimizer_class=torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay)")
+        return
     if mine > 0.75 * whole:
-        rep.fail(57, f"every rank holds AdamW's whole state ({mine} bytes): make the optimizer "
-                 "a ZeroRedundancyOptimizer for --layout zero1")
-    else:
-        rep.ok(57, f"each rank holds {mine / whole:.0%} of AdamW's state, the same losses")
+        fail(rep, ZERO1, f"with {flags(key)} every rank holds AdamW's whole state ({mine} bytes): "
+                 "the ZeroRedundancyOptimizer must get the model's parameters")
+        return
+    rep.ok(ZERO1, f"each rank holds {mine / whole:.0%} of AdamW's state (ZeroRedundancyOptimizer "
+           "of AdamW with its arguments), the same losses")
 
 
-def check_fsdp(ctx, zero2, offload, ref) -> None:
+def check_fsdp(ctx, key, run, ref) -> None:
+    """zero2, zero3, offload: every block and the root FSDP units; resharding and offload per
+    unit as the layout says; the parameters sharded."""
     rep = ctx.report
-    for run, name in ((zero2, "zero2"), (offload, "offload")):
-        if not same_training(ctx, run, ref, 58, f"the losses with --layout {name}"):
+    layout = key[0]
+    r0 = run.ranks[0]
+    units = r0.get("fsdp")
+    rep.attempt(FSDP)
+    if not units:
+        fail(rep, FSDP, f"with {flags(key)} no module is an FSDP unit: apply_fsdp must "
+                 "fully_shard each block of model.layers, then the whole model")
+        return
+    plain = [i for i, is_unit in enumerate(units["blocks"]) if not is_unit]
+    if plain:
+        which = ("no block is" if len(plain) == len(units["blocks"])
+                 else f"block(s) {plain} are not")
+        only = ", only the root" if units["root"] else ""
+        fail(rep, FSDP, f"with {flags(key)} {which} an FSDP unit{only}: then a rank gathers the "
+                 "whole model at once, with no overlap; fully_shard(block, ...) for every block "
+                 "of model.layers, then fully_shard(model, ...)")
+        return
+    if not units["root"]:
+        fail(rep, FSDP, f"with {flags(key)} the root is not an FSDP unit (the embeddings and the "
+                 "output layer stay whole on every rank): after the blocks, "
+                 "fully_shard(model, ...)")
+        return
+    want = layout != "zero2"
+    reshard = units.get("reshard_after_forward", [])
+    if any(flag is not None and flag != want for flag in reshard):
+        if layout == "zero2":
+            why = ("--layout zero2 frees the blocks' gathered weights after forward: "
+                   "reshard_after_forward=False for zero2 (True for zero3 and offload)")
+        else:
+            why = (f"--layout {layout} keeps the blocks' gathered weights until backward: it "
+                   f"frees them after forward, reshard_after_forward=True for {layout}")
+        fail(rep, FSDP, why)
+        return
+    policies = [*units.get("offload", []), units.get("root_offload")]
+    offloaded = [p == "CPUOffloadPolicy" for p in policies if p is not None]
+    if layout == "offload" and not all(offloaded):
+        where = ("no unit" if not any(offloaded) else
+                 f"{offloaded.count(False)} of the {len(offloaded)} FSDP units (the root "
+                 "included)")
+        fail(rep, FSDP, f"with --layout offload {where} keep(s) their shards in host memory: "
+                 "offload_policy=CPUOffloadPolicy(...) in every fully_shard call, blocks and "
+                 "root")
+        return
+    if layout != "offload" and any(offloaded):
+        fail(rep, FSDP, f"--layout {layout} offloads to host memory: CPUOffloadPolicy for "
+                 "--layout offload only")
+        return
+    if memory(run, "parameters") > 0.75 * memory(ref, "parameters"):
+        fail(rep, FSDP, f"with {flags(key)} every rank holds all the parameters: fully_shard each "
+                 "block, then the whole model")
+        return
+    if layout == "offload" and key == ON_A_GPU:
+        pins = standin.observed(run).get("offload", [])
+        if pins and not all(p["pin_memory"] for p in pins):
+            fail(rep, FSDP, "on a GPU (the check's stand-in) the offloaded shards are not in "
+                     "pinned host memory, so every copy to the GPU waits: "
+                     "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
             return
-        if memory(run, "parameters") > 0.75 * memory(ref, "parameters"):
-            rep.fail(58, f"--layout {name}: every rank holds all the parameters: fully_shard "
-                     "each block, then the whole model")
+    rep.ok(FSDP, "zero2 keeps every block gathered until backward, zero3 frees them, offload "
+           "keeps every unit's shards in host memory; all train like one process")
+
+
+def check_checkpointing(ctx, key, run, ref) -> None:
+    rep = ctx.report
+    types = run.ranks[0].get("block_types", [])
+    wrapped = [t for t in types if "CheckpointWrapper" in t]
+    if wrapped:
+        rep.attempt(CHECKPOINTING)
+    saved, expected = memory(run, "activations"), formula(run, "activations")
+    full = memory(ref, "activations") * tokens(run) / tokens(ref)
+    if near(saved, full, 0.02):
+        fail(rep, CHECKPOINTING, f"with {flags(key)} the blocks still save all their activations: "
+                 "replace every block of model.layers by checkpoint_wrapper(block)")
+    elif saved < 0.7 * expected:
+        fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, fewer than the "
+                 f"{expected:.0f} that checkpointing each block keeps: checkpoint each "
+                 "Transformer block on its own, not the whole model (whose backward then "
+                 "recomputes everything at once)")
+    elif saved > 1.3 * expected or len(wrapped) < len(types):
+        fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
+                 f"{expected:.0f} of every block checkpointed whole ({len(wrapped)} of "
+                 f"{len(types)} blocks wrapped): wrap each block of model.layers, the whole "
+                 "block")
+    else:
+        rep.ok(CHECKPOINTING, f"each block keeps only its input: {saved / full:.0%} of the "
+               "activations, in every layout, the same losses")
+
+
+def check_accumulation(ctx, key, run, ref, runs) -> None:
+    """Once per step, not per micro-batch: DDP's all-reduces, FSDP's reduce-scatters."""
+    rep = ctx.report
+    layout = key[0]
+    steps = run.summary["steps"] or 1
+    if layout in ("ddp", "zero1"):
+        per_step = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
+        counted = run.ranks[0].get("allreduces")
+        what = "DDP all-reduced the gradients"
+    else:
+        plain = next((r for k, r in runs.items() if k[0] == layout and k[1] == 1), None)
+        if plain is None:
             return
-    kept, whole = memory(zero2, "gathered"), memory(ref, "parameters")
-    if kept < 0.9 * whole:
-        rep.fail(58, "--layout zero2 frees the blocks' gathered weights after forward: "
-                 "reshard_after_forward=False for zero2 (True for zero3 and offload)")
+        per_step = plain.ranks[0].get("reduce_scatters", 0) / max(plain.summary["steps"], 1)
+        counted = run.ranks[0].get("reduce_scatters")
+        what = "FSDP reduce-scattered the gradients"
+    if counted is None or not per_step:
         return
-    if memory(offload, "gathered") > 1.1 * formula(offload, "gathered"):
-        rep.fail(58, "--layout offload keeps the gathered weights until backward: it is "
-                 "zero3 with offload, reshard_after_forward=True")
-        return
-    layout = offload.summary["memory"]["per_rank"][0]["layout"]
-    if not layout.get("offload"):
-        rep.fail(58, "--layout offload keeps the shards on the device: "
-                 "offload_policy=CPUOffloadPolicy() in fully_shard")
-        return
-    rep.ok(58, "zero2 keeps the whole model gathered until backward, offload shards it into "
-           "host memory, both train like one process")
+    if counted > steps * per_step:
+        fail(rep, ACCUMULATION, f"with {flags(key)} {what} {counted} times in {steps} steps "
+                 f"({counted / steps:g} per step instead of {per_step:g}), once per micro-batch: "
+                 "run all but the last micro-batch inside no_gradient_sync(model), its forward "
+                 "pass too (DDP decides in forward whether the backward all-reduces)")
+    elif not rep.failed(ACCUMULATION):
+        rep.ok(ACCUMULATION, "2 micro-batches per step train like one process with the whole "
+               "batch in every layout, the gradients reduced once per step")
 
 
 HINTS = {
-    55: ("A step of N micro-batches must give the gradient of the whole batch: backward() adds "
-         "up gradients, so each micro-batch's loss counts 1/N. And DDP should average the "
-         "ranks' gradients once per step, after the last micro-batch, not after every one.",
-         "loss = F.cross_entropy(...) / args.grad_accum; wrap forward and backward in "
-         "`with contextlib.nullcontext() if last else no_gradient_sync(model):` "
-         "(no_gradient_sync calls DDP's model.no_sync())."),
-    56: ("Activation checkpointing trades compute for memory: a checkpointed block keeps only "
+    55: ("Activation checkpointing trades compute for memory: a checkpointed block keeps only "
          "its input and runs its forward again during backward. Per block, so backward "
          "recomputes one block at a time.",
-         "from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import "
-         "checkpoint_wrapper; for name in list(model.layers): model.layers[name] = "
-         "checkpoint_wrapper(model.layers[name]); return model."),
-    57: ("ZeRO-1 shards the optimizer state: each rank keeps AdamW's two moments for its own "
-         "share of the parameters, updates that share, and broadcasts it to the others.",
-         "torch.distributed.optim.ZeroRedundancyOptimizer(model.parameters(), "
-         "optimizer_class=torch.optim.AdamW, lr=args.lr, weight_decay=args.weight_decay), "
-         "for --layout zero1 only."),
-    58: ("FSDP2 shards parameters, gradients and optimizer state (ZeRO-3). Whether a block frees "
+         "checkpoint_wrapper from torch.distributed.algorithms._checkpoint.checkpoint_wrapper, "
+         "applied to every block of model.layers (an nn.ModuleDict: put each wrapped block back "
+         "under its name), in apply_activation_checkpointing."),
+    56: ("FSDP2 shards parameters, gradients and optimizer state (ZeRO-3). Whether a block frees "
          "its gathered weights after forward decides between zero3 (free, gather again for "
          "backward) and zero2 (keep them); offload moves the shards to host memory.",
-         "fully_shard(block, reshard_after_forward=layout != 'zero2', offload_policy="
-         "CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) for offload) for every block "
-         "of model.layers, then fully_shard(model, ...) for the root."),
+         "fully_shard from torch.distributed.fsdp in apply_fsdp, on every block and then on the "
+         "root, as in the FSDP step; its reshard_after_forward argument tells zero2 from zero3, "
+         "its offload_policy (CPUOffloadPolicy, pinned only with a GPU) makes offload."),
+    57: ("ZeRO-1 shards the optimizer state: each rank keeps AdamW's two moments for its own "
+         "share of the parameters, updates that share, and broadcasts it to the others.",
+         "torch.distributed.optim.ZeroRedundancyOptimizer, where the optimizer is made, for "
+         "--layout zero1 only: it takes the parameters, the optimizer class to shard "
+         "(optimizer_class) and that class's own arguments."),
+    58: ("A step of N micro-batches must give the gradient of the whole batch: backward() adds "
+         "up gradients, so each micro-batch's loss counts 1/N. And the ranks should average "
+         "their gradients once per step, after the last micro-batch, not after every one.",
+         "In the training loop: divide the loss by args.grad_accum; the script's "
+         "no_gradient_sync(model) context (DDP's no_sync, FSDP2's set_requires_gradient_sync) "
+         "around every micro-batch but the last, its forward pass and backward both; "
+         "contextlib.nullcontext() for the last one."),
 }

@@ -16,9 +16,10 @@ import json
 import re
 import statistics
 
+from selfcheck import standin
 from selfcheck.compare import lists_close, near
 from selfcheck.runs import ONE_NODE_TWO, PEAK_FLOPS, SEQ_LEN, Run
-from selfcheck.steps.common import check_imports, report_crash
+from selfcheck.steps.common import check_imports, crash_todo, report_crash
 
 FILE = "train/perf_training.py"
 WHAT = "one GPU fast: tokens/s and MFU, profiler, bf16, fused AdamW, compile"
@@ -52,7 +53,11 @@ def check(ctx) -> None:
     # the one-step run keeps the default padding, and compiles (recorded: is the loss's used?)
     short = Run(ctx.work, "one step", ctx.script, BATCH * 2, optional=OPTIONAL,
                 extra=["--profile", "--max-steps", "1", "--compile"])
-    for r in (ref, run, fast, short):
+    # a stand-in GPU (selfcheck/standin.py): the default --precision auto, a report every
+    # second step
+    gpu = Run(ctx.work, "stand-in gpu", ctx.script, BATCH, geometry=ONE_NODE_TWO, gpu=True,
+              optional=OPTIONAL, extra=["--profile", "--max-steps", "8", "--log-every", "2"])
+    for r in (ref, run, fast, short, gpu):
         r.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
@@ -68,6 +73,7 @@ def check(ctx) -> None:
     check_ranges(ctx, names, profiling)
     check_precision(ctx, run, fast, ref)
     check_fused_and_compile(ctx, run, fast)
+    check_on_a_gpu(ctx, run, gpu, profiling)
     check_gpu_busy(ctx, run, profiling)
     check_padding(ctx, run, short)
     check_loss_compiled(ctx, run, short)
@@ -161,10 +167,8 @@ def check_reports(ctx, run) -> None:
                      f"({tokens_per_step} tokens per step on {world} ranks): count the tokens of "
                      "all ranks, interval_tokens += x.numel() * world_size")
             return
-    if r0.get("synchronize", 0) < len(reports):
-        rep.fail(42, "synchronize(device) before reading the clock for each report: a GPU runs "
-                 "behind Python, and the time would be only how long queuing the work took")
-        return
+    # (synchronize: judged on the stand-in GPU, where the script's cuda branches run: see
+    # check_on_a_gpu)
     if not rep.failed(42):
         rep.ok(42, f"{len(reports)} step lines report tokens/s and MFU per device, both right, "
                "against the peak it prints")
@@ -295,7 +299,8 @@ def check_fused_and_compile(ctx, run, fast) -> None:
     rep = ctx.report
     adamw = fast.ranks[0].get("adamw", [])
     if any("fused" in kwargs for kwargs in adamw):
-        rep.ok(46, "AdamW is asked for fused (on a GPU: fused=device.type == 'cuda')")
+        rep.attempt(46)
+        rep.ok(46, "AdamW is asked for fused")
     else:
         rep.fail(46, "torch.optim.AdamW(..., fused=device.type == 'cuda'): one kernel for all "
                  "parameters on a GPU")
@@ -459,6 +464,113 @@ def check_compile_mode(ctx, fast) -> None:
                  "mode=args.compile_mode)")
     else:
         rep.ok(63, f"--compile-mode reaches every compiled part ({', '.join(modes)})")
+
+
+# ------------------------------------------------------------------ what only a GPU would show
+def check_on_a_gpu(ctx, run, gpu, profiling) -> None:
+    """TODOs 42-46 as they would run on a GPU: the stand-in run (selfcheck/standin.py) takes
+    the script's `cuda` branches and records what they build and in which order."""
+    rep = ctx.report
+    if gpu.crashed:
+        f = gpu.failure
+        if standin.beyond_the_standin(f):
+            rep.note(f"(the check's stand-in GPU could not follow line {f.line}: {f.message}; "
+                     "what only a GPU shows is not judged)")
+        elif not run.crashed and f is not None:
+            todo = crash_todo(ctx, f)
+            if todo in rep.names and not rep.failed(todo):
+                rep.fail(todo, f"on a GPU (the check's stand-in) the run would stop"
+                         f"{f.where()} with: {f.message}")
+                rep.note(f"(full output of the stand-in GPU run: {gpu.dir / 'output.txt'})")
+        return
+    seen = standin.observed(gpu)
+    if not seen:
+        return
+    record = gpu.ranks[0]
+    monitor = record.get("monitor_lines", [])
+
+    def is_report(text):
+        return bool(RATE.search(text) and MFU.search(text)) and not any(
+            m and m in text for m in monitor)
+
+    # TODO 42: the clock read after the GPU finished the step's work
+    late = standin.clock_reads_before_sync(seen, is_report)
+    if late and not rep.failed(42):
+        rep.fail(42, f"line {late[0]} reads the clock while a GPU may still be working on the "
+                 "step (no synchronize(device) between the optimizer step and it): the time "
+                 "would count only the queueing; call synchronize(device) right before reading "
+                 "the clock")
+    elif not rep.failed(42) and rep.judged(42):
+        rep.ok(42, "on a GPU, synchronize(device) comes before every clock read of a report")
+    # TODO 43: on a GPU the profiler records the kernels and sorts its table by them
+    state = seen.get("profiler", {})
+    if profiling and state.get("started") and not rep.failed(43):
+        steps = sum(1 for e in seen.get("timeline", []) if e["kind"] == "step")
+        activities = state.get("activities") or [[]]
+        sorts = [t.get("sort_by") for t in record.get("tables", [])]
+        if activities[0] and "CUDA" not in activities[0]:
+            rep.fail(43, f"on a GPU the profiler records only {', '.join(activities[0])}: no "
+                     "kernel, no NCCL in the trace; add ProfilerActivity.CUDA when "
+                     "device.type == 'cuda'")
+        elif state.get("steps") != steps:
+            rep.fail(43, f"with a report every 2nd step the profiler was stepped "
+                     f"{state.get('steps')} times in {steps} training steps: profiler.step() "
+                     "once after every training step, outside the `if step % args.log_every` "
+                     "block")
+        elif sorts and not any(s in standin.DEVICE_SORT_KEYS for s in sorts):
+            rep.fail(43, f"on a GPU the operator table is sorted by {sorts[0]}, the CPU's time "
+                     "to launch the kernels: sort_by='self_device_time_total' when "
+                     "device.type == 'cuda'")
+        elif not state.get("stopped"):
+            rep.fail(43, "on a GPU the profiler is never stopped: profiler.stop() after the "
+                     "training loop")
+    # TODO 44: NVTX ranges for Nsight Systems, next to the profiler's ranges
+    nvtx = {n.lower() for n in seen.get("nvtx", [])}
+    if profiling and rep.judged(44) and not rep.failed(44):
+        missing = [phase for phase, words in PHASES.items()
+                   if not any(any(w in n for w in words) for n in nvtx)]
+        traces = sorted((gpu.out / "profile").glob("rank0.*.pt.trace.json")) if (
+            gpu.out / "profile").is_dir() else []
+        names = {n for t in traces[-1:] for e in trace_events(t) if e.get("cat") ==
+                 "user_annotation" for n in [e.get("name", "")]
+                 if n and not any(c in n for c in ".#:(")}  # the script's own, as in TODO 43
+        if not nvtx:
+            rep.fail(44, "on a GPU no NVTX range is opened: Nsight Systems would show none; in "
+                     "annotate(), also torch.cuda.nvtx.range(name) when device.type == 'cuda'")
+        elif missing:
+            rep.fail(44, f"on a GPU the NVTX ranges ({', '.join(sorted(nvtx))}) leave out "
+                     f"{', '.join(missing)}: the same ranges as record_function's")
+        elif traces and not any(any(w in n.lower() for ws in PHASES.values() for w in ws)
+                                for n in names):
+            rep.fail(44, "on a GPU the profiler's trace has no named range: record_function("
+                     "name) on every device, NVTX only in addition")
+    # TODO 45: --precision auto means bf16 on a GPU that has it
+    if rep.judged(45) and not rep.failed(45):
+        precision = (gpu.summary or {}).get("precision")
+        dtypes = record.get("forward_dtypes", [])
+        if precision != "bf16":
+            rep.fail(45, f"with the default --precision auto a GPU with bf16 runs in "
+                     f"{precision}: args.precision = set_precision(args.precision, device) "
+                     "(it turns auto into bf16 there) before anything reads args.precision")
+        elif "bfloat16" not in dtypes and "auto" in seen.get("autocast_asked", []):
+            rep.fail(45, "with --precision auto, autocast gets args.precision = 'auto' and does "
+                     "nothing: a GPU would compute in float32; keep what set_precision returns, "
+                     "args.precision = set_precision(args.precision, device)")
+        elif "bfloat16" not in dtypes:
+            rep.fail(45, "with --precision auto a GPU would compute in float32: "
+                     "autocast(args.precision, device) around the forward pass and the loss, "
+                     "with args.precision as set_precision returned it")
+        else:
+            rep.ok(45, "--precision auto runs bf16 under autocast on a GPU")
+    # TODO 46: the fused AdamW where it exists
+    adamw = seen.get("adamw", [])
+    if adamw and not rep.failed(46):
+        if adamw[0].get("fused") is True:
+            rep.ok(46, "on a GPU AdamW is fused (one kernel for all parameters)")
+        else:
+            given = adamw[0].get("fused", "not given")
+            rep.fail(46, f"on a GPU AdamW gets fused={given}: the test must be true there, "
+                     "fused=device.type == 'cuda'")
 
 
 HINTS = {

@@ -12,12 +12,14 @@ from selfcheck.steps.sbatch import stopped
 
 FILE = "perf_training.sbatch"
 WHAT = "the performance job file: Nsight Systems"
+NEEDS_TORCH = False  # bash and the stand-ins for Slurm only
 TODOS = {48: "Nsight Systems"}
 ARGS = ("--max-steps", "5")
 
 
 def show(script, work) -> list[str]:
-    return slurm.describe(slurm.submit(script, work, args=ARGS, env_extra={"NSYS": "1"}))
+    return slurm.describe(slurm.submit(script, work, args=ARGS, env_extra={"NSYS": "1"}),
+                          script.read_text())
 
 
 def option(words, *names):

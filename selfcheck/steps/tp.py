@@ -33,9 +33,10 @@ def check(ctx) -> None:
               eval_probe=True, optional=OPTIONAL)
     bad = Run(ctx.work, "tp3", ctx.script, BATCH, geometry=ONE, optional=OPTIONAL,
               extra=["--tp", "3", "--max-steps", "1"])
-    # on two nodes with one process each, TP must stay inside a node: --tp defaults to 1
-    nodes = Run(ctx.work, "two nodes", ctx.script, BATCH, geometry=TWO_NODES, optional=OPTIONAL,
-                extra=["--max-steps", "1"])
+    # on two nodes with one process each, TP must stay inside a node: --tp defaults to 1, and
+    # the two replicas (dp 2) must train and evaluate like one process on the same global batch
+    nodes = Run(ctx.work, "two nodes", ctx.script, BATCH // 2, geometry=TWO_NODES,
+                optional=OPTIONAL, extra=SHORT, eval_probe=True)
     ref.wait(), run.wait(), bad.wait(), nodes.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
@@ -93,6 +94,48 @@ def check(ctx) -> None:
         if not all(e["resharded"] for e in r0.get("evals", [])):
             rep.fail(33, "after evaluate() the root's gathered weights stay on every rank: "
                      "model.reshard() at the end of evaluate()")
+        check_reduction_groups(ctx, run, dp)
+        check_replicas(ctx, nodes, ref)
+
+
+def check_reduction_groups(ctx, run, dp) -> None:
+    """TODOs 31 and 33: the loss and the evaluation sums are reduced over the dp group. (Over
+    all ranks the number comes out the same, since the ranks of a TP group hold the same
+    values: communication for nothing, and it only shows in which group each call used.)"""
+    rep = ctx.report
+    names = ("all_reduce_mean", "all_reduce_sum", "dist.all_reduce")
+    for todo, func, what in ((31, "main", "the training loss is"),
+                             (33, "evaluate", "the evaluation's loss sum and token count are")):
+        wide = [c for name in names for c in calls(run, name, rank=0)
+                if c["func"] == func and c["direct"] and c.get("group_size") not in (None, dp)]
+        if wide and not rep.failed(todo):
+            rep.fail(todo, f"{what} reduced over a group of {wide[0]['group_size']} "
+                     f"processes (line {wide[0]['line']}), the data-parallel group has {dp}: "
+                     "the ranks of a TP group hold the same values (adding them up sends for "
+                     "nothing), the replicas different ones; reduce over dp_group only"
+                     + (", all_reduce_mean(..., group=dp_group)" if todo == 31
+                        else ", all_reduce_sum(t, dp_group)"))
+
+
+def check_replicas(ctx, nodes, ref) -> None:
+    """On two nodes with one process each (tp 1, dp 2): the loss averaged and the evaluation
+    added up over the two replicas, as one process on the whole batch."""
+    rep = ctx.report
+    if nodes.crashed or not nodes.summary:
+        return
+    tp = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+    if tp != 1 or rep.failed(31) and rep.failed(33):
+        return
+    if not rep.failed(31):
+        before = len(rep.verdicts.get(31, []))
+        if check_losses(ctx, nodes, ref, 31, "on two nodes (tp 1, dp 2) the logged losses"):
+            del rep.verdicts[31][before:]  # (said once, for the run above)
+    if not rep.failed(33):
+        before = len(rep.verdicts.get(33, []))
+        if check_eval_exact(ctx, nodes, 33, "on two nodes (tp 1, dp 2) the replicas evaluated "
+                            "different samples: add up loss_sum and tokens over dp_group, "
+                            "all_reduce_sum(t, dp_group)"):
+            del rep.verdicts[33][before:]
 
 
 def check_option(ctx, run, bad, nodes) -> None:
