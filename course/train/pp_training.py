@@ -40,10 +40,10 @@ from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
+from utils.checkpointing import atomic_folder
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit)
-from utils.checkpointing import atomic_folder
 # TODO 39: save0 goes (Distributed Checkpoint saves), and with TODO 38 all_reduce_mean (the last
 # stage broadcasts the loss).
 #| exercise
