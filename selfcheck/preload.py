@@ -17,6 +17,7 @@ import torch.utils.data.distributed  # noqa: F401
 import model  # noqa: F401
 import selfcheck.probe  # noqa: F401
 import utils.args  # noqa: F401
+import utils.checkpointing  # noqa: F401
 import utils.checks  # noqa: F401
 import utils.data  # noqa: F401
 import utils.distributed_utils  # noqa: F401

@@ -85,6 +85,7 @@ class Probe:
         from torch.utils.data.distributed import DistributedSampler
 
         import model.transformer as mt
+        import utils.checkpointing as ck
         import utils.data as ud
         import utils.distributed_utils as du
         import utils.checks as uc
@@ -250,10 +251,10 @@ class Probe:
 
         for name in ("all_reduce_mean", "all_reduce_sum"):
             wrap(du, name, before=called(name, group_size=group_size))
-        for name in ("print0", "save0", "save_full_model", "save_sharded_model",
-                     "load_sharded_model", "barrier", "gather_per_rank"):
-            if hasattr(du, name):
-                wrap(du, name, before=called(name))
+        for name in ("print0", "save0", "barrier", "gather_per_rank"):
+            wrap(du, name, before=called(name))
+        for name in ("save_full_model", "save_sharded_model", "load_sharded_model"):
+            wrap(ck, name, before=called(name))
 
         def destroying(name):  # the model's last state, while its meshes' groups still exist
             def before(*a, **k):
@@ -293,7 +294,7 @@ class Probe:
             if isinstance(result, dict):
                 record["loads"].append({k: v for k, v in result.items() if k != "loss_history"}
                                        | {"loss_history_len": len(result.get("loss_history", []))})
-        wrap(du, "load_sharded_model", after=loaded)
+        wrap(ck, "load_sharded_model", after=loaded)
 
         # -- files written with torch.save (a state dict of weights: a model save)
         def torch_save(obj, f, *a, **k):

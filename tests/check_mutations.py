@@ -140,8 +140,8 @@ MISTAKES = [
      [("from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard",
        "from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy")]),
     ("fsdp", FSDP, "load_sharded_model not imported", 17,
-     [("from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model",
-       "from utils.distributed_utils import save_full_model, save_sharded_model")]),
+     [("from utils.checkpointing import (load_sharded_model, resume_checkpoint,",
+       "from utils.checkpointing import (resume_checkpoint,")]),
     ("fsdp", FSDP, "fully_shard on the root only", 18,
      [("    for block in model.layers.values():\n"
        "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
@@ -195,9 +195,8 @@ MISTAKES = [
     ("fsdp", FSDP, "the best model with save0", 20,
      [('            save_checkpoint("best", epoch, batches_done)',
        '            save0(model, out_dir / "best_model.pt")'),
-      ("from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model",
-       "from utils.distributed_utils import load_sharded_model, save0, save_full_model, "
-       "save_sharded_model")]),
+      ("from utils.checkpointing import (load_sharded_model,",
+       "from utils.distributed_utils import save0\nfrom utils.checkpointing import (load_sharded_model,")]),
     ("fsdp", FSDP, "the optimizer state not restored", 21,
      [("train_state = load_sharded_model(model, optimizer, resume, cfg.to_dict())",
        "train_state = load_sharded_model(model, None, resume, cfg.to_dict())")]),
@@ -215,9 +214,8 @@ MISTAKES = [
     ("fsdp", FSDP, "save0 for the final model", 22,
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    save0(model, out_dir / "final_model.pt")'),
-      ("from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model",
-       "from utils.distributed_utils import load_sharded_model, save0, save_full_model, "
-       "save_sharded_model")]),
+      ("from utils.checkpointing import (load_sharded_model,",
+       "from utils.distributed_utils import save0\nfrom utils.checkpointing import (load_sharded_model,")]),
     ("fsdp", FSDP, "save_full_model on rank 0 only", 22,
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    if rank == 0:\n        save_full_model(model, out_dir / "final_model.pt")')]),
@@ -297,8 +295,8 @@ MISTAKES = [
     ("tp", TP, "save0 of the TP model", 32,  # save0 as the exercise had it, and imports
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    save0(model, out_dir / "final_model.pt")'),
-      ("from utils.distributed_utils import save_full_model",
-       "from utils.distributed_utils import save0, save_full_model")]),
+      ("from utils.checkpointing import save_full_model",
+       "from utils.checkpointing import save_full_model\nfrom utils.distributed_utils import save0")]),
     ("tp", TP, "save_full_model on rank 0 only", 32,
      [('            save_full_model(model, out_dir / "best_model.pt")',
        '            if rank == 0:\n                save_full_model(model, out_dir / "best_model.pt")')]),
@@ -359,8 +357,8 @@ MISTAKES = [
     ("pp", PP, "the loss averaged over the stages", 38,  # all_reduce_mean: the exercise imports it
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            step_loss = all_reduce_mean(step_loss)"),
-     ("from utils.distributed_utils import (all_reduce_sum,",
-       "from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, save0,"),
+     ("from utils.distributed_utils import all_reduce_sum,",
+       "from utils.distributed_utils import all_reduce_mean, all_reduce_sum, save0,"),
      ]),
     ("pp", PP, "the loss taken on every stage", 38,
      [("            step_loss = (torch.stack(losses).detach().mean() if stage.is_last\n"
@@ -372,8 +370,8 @@ MISTAKES = [
      [('    with atomic_folder(out_dir / "final_model") as folder:\n'
        '        dcp.save(model.state_dict(), checkpoint_id=folder)',
        '    save0(model, out_dir / "final_model.pt")'),
-     ("from utils.distributed_utils import (all_reduce_sum,",
-       "from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, save0,"),
+     ("from utils.distributed_utils import all_reduce_sum,",
+       "from utils.distributed_utils import all_reduce_mean, all_reduce_sum, save0,"),
      ]),
     ("pp", PP, "DCP save on rank 0 only", 39,
      [('    with atomic_folder(out_dir / "final_model") as folder:\n'

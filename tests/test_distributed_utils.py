@@ -146,6 +146,32 @@ def test_save0_refuses_sharded_weights_and_names_the_helpers_to_use_instead():
     assert "use save_full_model or save_sharded_model" in out
 
 
+@pytest.mark.parametrize("line, name", [
+    ("from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model",
+     "load_sharded_model"),
+    ("from utils.distributed_utils import (all_reduce_sum, atomic_folder, print0)",
+     "atomic_folder"),
+    ("import utils.distributed_utils as du; du.checkpoint_blocking_seconds()",
+     "checkpoint_blocking_seconds"),
+])
+def test_a_file_importing_a_checkpoint_helper_from_here_stops_with_one_line_naming_its_module(
+        line, name):
+    """A participant's half-done file written before checkpoints got their own module."""
+    proc = subprocess.run([sys.executable, "-c", line], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr == (f"error: cannot import name '{name}' from utils.distributed_utils: "
+                           f"it is in utils.checkpointing now: from utils.checkpointing import "
+                           f"{name}\n")
+
+
+def test_every_name_said_to_have_moved_is_in_utils_checkpointing_and_no_longer_here():
+    import utils.checkpointing
+    for name in du.MOVED_TO_CHECKPOINTING:
+        assert name not in vars(du) and name in vars(utils.checkpointing), name
+    assert not hasattr(du, "no_such_helper")  # other names: an ordinary AttributeError
+
+
 @pytest.mark.parametrize("env, expected", [
     ({}, 0),
     ({"SLURM_CPUS_PER_TASK": "32", "LOCAL_WORLD_SIZE": "4"}, 4),

@@ -194,7 +194,7 @@ def test_reshard_after_forward_false_keeps_block_weights_gathered_until_backward
 
 
 def train_and_save(rank, world_size, ckpt, export):
-    from utils.distributed_utils import save_full_model, save_sharded_model
+    from utils.checkpointing import save_full_model, save_sharded_model
     cfg = get_config("tiny", **CFG)
     model = sharded_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -205,7 +205,7 @@ def train_and_save(rank, world_size, ckpt, export):
 
 
 def load_and_continue(rank, world_size, ckpt):
-    from utils.distributed_utils import load_sharded_model
+    from utils.checkpointing import load_sharded_model
     cfg = get_config("tiny", **CFG)
     model = sharded_model(seed=123)  # other initial weights: everything must come from the file
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -260,7 +260,7 @@ def test_training_continues_identically_after_loading_at_1_and_at_3_ranks(
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP: loading in one process
 def test_a_checkpoint_loads_into_a_plain_model_without_a_process_group(saved_at_2_ranks):
-    from utils.distributed_utils import load_sharded_model
+    from utils.checkpointing import load_sharded_model
     ckpt, _, saved = saved_at_2_ranks
     model = TransformerLM(get_config("tiny", **CFG))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -271,7 +271,7 @@ def test_a_checkpoint_loads_into_a_plain_model_without_a_process_group(saved_at_
 
 def test_loading_a_checkpoint_of_another_model_fails_with_one_line_naming_the_difference(
         saved_at_2_ranks):
-    from utils.distributed_utils import CheckpointError, load_sharded_model
+    from utils.checkpointing import CheckpointError, load_sharded_model
     cfg = get_config("tiny", **CFG, d_ff=128)
     with pytest.raises(CheckpointError,
                        match=r"another model: d_ff 256 \(checkpoint\) vs 128 \(now\)"):
@@ -291,7 +291,7 @@ def test_the_exported_model_equals_the_gathered_weights_and_loads_into_a_plain_m
 def interrupted_save(rank, world_size, ckpt):
     """Save a good checkpoint, then one that fails half-way on rank 1; then save again."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from utils.distributed_utils import CheckpointError, load_sharded_model, save_sharded_model
+    from utils.checkpointing import CheckpointError, load_sharded_model, save_sharded_model
     cfg = get_config("tiny", **CFG)
     model = sharded_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

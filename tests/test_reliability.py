@@ -606,7 +606,7 @@ def test_world_size_without_rank_no_longer_trains_as_one_process(tmp_path):
 def test_torchrun_restarts_without_the_store_fix_are_named_as_the_likely_cause(monkeypatch,
                                                                               capsys):
     import torch.distributed as dist
-    from utils import distributed_utils, launch
+    from utils import launch
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
@@ -623,7 +623,7 @@ def test_torchrun_restarts_without_the_store_fix_are_named_as_the_likely_cause(m
 
     monkeypatch.setattr(dist, "init_process_group", refused)
     with pytest.raises(SystemExit) as stop:
-        distributed_utils.init_process_group_or_exit("gloo", timeout=launch.dist_timeout())
+        launch.init_process_group_or_exit("gloo", timeout=launch.dist_timeout())
     assert "after torchrun restart 1" in stop.value.code
     assert "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun" in stop.value.code
 

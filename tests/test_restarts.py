@@ -145,7 +145,7 @@ def test_a_damaged_checkpoint_is_refused_with_one_line_naming_the_previous_good_
                                      f"{problem}; resume from {folder / 'best'} (step 10) instead")
     assert "Traceback" not in proc.stderr
     # --resume auto (and a restart) skips the damaged one
-    from utils.distributed_utils import newest_good_checkpoint
+    from utils.checkpointing import newest_good_checkpoint
     assert newest_good_checkpoint(folder) == folder / "best"
 
 
@@ -186,7 +186,7 @@ def test_a_resumed_run_that_diverges_stops_before_it_saves_over_its_checkpoint(u
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP in one process
 def test_without_another_good_checkpoint_the_line_says_start_without_resume(uninterrupted,
                                                                              tmp_path):
-    from utils.distributed_utils import CheckpointError, load_sharded_model
+    from utils.checkpointing import CheckpointError, load_sharded_model
     folder = copy_checkpoints(uninterrupted, tmp_path)
     shutil.rmtree(folder / "best")
     damage(folder, "missing shard")
@@ -202,7 +202,7 @@ def test_without_another_good_checkpoint_the_line_says_start_without_resume(unin
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_save_stopped_between_its_renames_loads_the_previous_checkpoint_and_says_so(
         uninterrupted, tmp_path, capsys):
-    from utils.distributed_utils import latest_checkpoint, load_sharded_model, save_sharded_model
+    from utils.checkpointing import latest_checkpoint, load_sharded_model, save_sharded_model
     folder = copy_checkpoints(uninterrupted, tmp_path)
     shutil.rmtree(folder / "best")
     os.replace(folder / "last", folder / ".last.old")  # the first rename happened, not the second
@@ -241,8 +241,8 @@ def test_the_script_resumes_from_the_previous_checkpoint_after_a_save_stopped_be
 def save_on_a_full_disk(rank, world_size, ckpt, error):
     """Save a good checkpoint, then one during which rank 1's write fails with `error`."""
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from utils.distributed_utils import (CheckpointError, checkpoint_problem,
-                                         read_train_state, save_sharded_model)
+    from utils.checkpointing import (CheckpointError, checkpoint_problem,
+                                     read_train_state, save_sharded_model)
     from test_fsdp_lesson import sharded_model
     model = sharded_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -300,7 +300,7 @@ def small_tmpfs(tmp_path):
 
 def test_the_script_on_a_full_disk_stops_with_one_line_and_leaves_the_last_good_checkpoint(
         small_tmpfs, data_cache):
-    from utils.distributed_utils import checkpoint_problem, read_train_state
+    from utils.checkpointing import checkpoint_problem, read_train_state
     out = small_tmpfs / "run"
     proc = run_script(SOLUTION, *COMMON, "--batch-size", 4, "--max-steps", 6,
                       "--checkpoint-every", 2, "--out-dir", out, nproc=2,

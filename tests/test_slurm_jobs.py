@@ -375,7 +375,7 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
     slurm.run("scontrol", "requeue", job_id)
     while (slurm.job_fields(job_id) or {}).get("JobState") != "PENDING":
         time.sleep(0.5)
-    from utils.distributed_utils import latest_checkpoint, read_train_state
+    from utils.checkpointing import latest_checkpoint, read_train_state
     newest = latest_checkpoint(out / "checkpoints")
     step = read_train_state(newest)["step"]
     (out / "more_args").write_text(f"--max-steps {step + 2}\n")

@@ -141,7 +141,7 @@ def test_exporting_a_2d_model_hides_dtensors_gather_warning_and_no_other(caplog)
     which a gather (nothing is added up) cannot: that warning alone is left out."""
     import logging
 
-    from utils.distributed_utils import quiet_sequential_gathers
+    from utils.checkpointing import quiet_sequential_gathers
     log = logging.getLogger("torch.distributed.tensor._redistribute")
     with caplog.at_level(logging.WARNING), quiet_sequential_gathers():
         log.warning("While redistributing from %s to %s, %d sequential %s operations will be "

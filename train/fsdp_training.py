@@ -33,22 +33,21 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
+from utils.checkpointing import checkpoint_blocking_seconds, use_async_checkpoint_saves
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit, pad_batch
 from utils.metrics import (Throughput, flops_per_token, model_state_bytes, peak_memory_bytes,
                            perplexity, speed_text, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
-from utils.distributed_utils import checkpoint_blocking_seconds, use_async_checkpoint_saves
 from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      gather_per_rank, print0, setup)
 # TODO 17: Import FSDP2's fully_shard, MixedPrecisionPolicy and FSDPModule (the class every
-# sharded module becomes) from torch.distributed.fsdp, the checkpoint helpers
-# save_sharded_model, load_sharded_model and save_full_model (from utils.distributed_utils), and
-# the resume bookkeeping resume_checkpoint and resume_position (from utils.checkpointing). DDP
-# and save0 are no longer needed.
+# sharded module becomes) from torch.distributed.fsdp, and from utils.checkpointing the
+# checkpoint helpers save_sharded_model, load_sharded_model and save_full_model and the resume
+# bookkeeping resume_checkpoint and resume_position. DDP and save0 are no longer needed.
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
 

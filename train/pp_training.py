@@ -42,13 +42,14 @@ from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
+from utils.checkpointing import atomic_folder
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit)
 # TODO 39: save0 goes (Distributed Checkpoint saves), and with TODO 38 all_reduce_mean (the last
 # stage broadcasts the loss).
-from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, atomic_folder,
-                                     destroy_process_group, print0, save0, setup)
+from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
+                                     print0, save0, setup)
 from utils.metrics import (StageBusyTimer, Throughput, flops_per_token, perplexity, speed_text,
                            training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps

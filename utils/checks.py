@@ -18,7 +18,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from utils.distributed_utils import collective_device, get_rank, get_world_size
+
+def _rank() -> int:
+    """This process's rank (0 without a process group). This module comes below
+    utils/distributed_utils.py (whose save0 stops after a NaN loss), so it asks torch itself."""
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _stop(message: str, printer: bool) -> None:
@@ -49,7 +53,7 @@ def _exit_without_teardown(status: int) -> None:
 def stop_on_every_rank(message: str) -> None:
     """Stop a run whose every rank found the same problem (a flag that does not fit the model or
     the world size): one `error: ...` line from rank 0, not one per rank."""
-    _stop(message, get_rank() == 0)
+    _stop(message, _rank() == 0)
 
 
 # Losses on a GPU that stop_if_not_finite has not read yet: (step, loss, what)
@@ -98,7 +102,7 @@ def stop_if_a_loss_was_not_finite() -> None:
 
 def _diverged(what: str, value: float, step: int) -> None:
     _stop(f"the {what} is {value} at step {step}: training diverged; stopping before "
-          "anything is saved over earlier files: lower --lr", get_rank() == 0)
+          "anything is saved over earlier files: lower --lr", _rank() == 0)
 
 
 def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:
@@ -122,10 +126,11 @@ def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:
         os.unlink(probe)
     except OSError as e:
         error = e.strerror or str(e)
-    rank, world_size = get_rank(), get_world_size()
+    rank, world_size = _rank(), dist.get_world_size() if dist.is_initialized() else 1
     first_failing = rank if error else world_size
-    if dist.is_initialized():
-        t = torch.tensor(first_failing, device=collective_device())
+    if dist.is_initialized():  # NCCL takes GPU tensors only
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor(first_failing, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         first_failing = int(t.item())
     if first_failing < world_size:  # every rank stops; the first one that failed says why
@@ -182,8 +187,8 @@ def claim_out_dir(args) -> None:
     From here on, a full disk anywhere ends the process with one line (utils/files.py).
     Call it on every rank, right after setup(): rank 0 decides, all ranks stop together.
     """
-    from utils.checkpointing import restart_count
     from utils.files import one_line_for_a_full_disk
+    from utils.launch import restart_count
     from utils.run_lock import take
 
     out_dir = Path(args.out_dir)

@@ -3,7 +3,7 @@
 - Atomic writes: every file goes to a temporary name in its own folder, is flushed to the disk
   (fsync), and only then renamed over the old one. A kill, a node failure or a full disk at any
   moment leaves either the old file or the new one, never half of one. (Folders of sharded
-  checkpoints are made whole the same way: `atomic_folder` in utils/distributed_utils.py.)
+  checkpoints are made whole the same way: `atomic_folder` in utils/checkpointing.py.)
 - Checksums: torch.save writes a CRC-32 of every record into its zip archive, but torch.load
   never checks it, so a bit flipped on a parallel file system or by a bad copy is read as if it
   were fine. `torch_file_problem` checks them; DCP checkpoint folders carry a manifest of
@@ -84,7 +84,7 @@ def _temporary(path: Path):
 
 def write_synced(path: str | os.PathLike, data: str | bytes) -> None:
     """Write a file and flush it to the disk (fsync), not atomically: for files inside a folder
-    that is itself renamed into place only when complete (utils/distributed_utils.py)."""
+    that is itself renamed into place only when complete (utils/checkpointing.py)."""
     with open(path, "w" if isinstance(data, str) else "wb") as f:
         f.write(data)
         f.flush()

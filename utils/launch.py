@@ -118,6 +118,17 @@ def warn_about_torchrun_restarts() -> None:
               file=sys.stderr, flush=True)
 
 
+def restart_count() -> tuple[int, str]:
+    """(restarts, by whom): how often this run was started again by torchrun (--max-restarts,
+    after a rank died) or by Slurm (a requeued job); (0, "") for a first start."""
+    for variable, launcher in (("TORCHELASTIC_RESTART_COUNT", "torchrun"),
+                               ("SLURM_RESTART_COUNT", "Slurm")):
+        count = int(os.environ.get(variable) or 0)
+        if count:
+            return count, launcher
+    return 0, ""
+
+
 def _interval(timeout_s: float) -> float:
     """How often a wait says what it waits for: every 30 s, more often for short timeouts."""
     return min(30.0, max(1.0, timeout_s / 10))
@@ -241,3 +252,44 @@ class WaitReporter:
                 print(f"error: {self.line}", file=sys.stderr, flush=True)
                 os._exit(1)
             print(f"{self.what}, {waited:.0f} s of {self.seconds:.0f} s", flush=True)
+
+
+def init_process_group_or_exit(backend: str, **kwargs) -> None:
+    """dist.init_process_group, but a rendezvous that fails (no rank 0 at MASTER_ADDR:MASTER_PORT,
+    ranks missing, the port taken by another program) ends the process with one line instead
+    of a traceback or a silent hang, and every wait says at intervals what it waits for.
+
+    Without torchrun (srun, or by hand) the processes meet in a store of our own
+    (rendezvous_store, above), whose waits we can see into. Every wait is bounded by
+    `timeout` (default: DIST_TIMEOUT_MINUTES).
+    """
+    import torch.distributed as dist
+    timeout = kwargs.get("timeout") or dist_timeout()
+    rank, world_size = os.environ.get("RANK", "0"), os.environ.get("WORLD_SIZE", "1")
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if "store" not in kwargs and "TORCHELASTIC_RUN_ID" not in os.environ:
+        kwargs.update(store=rendezvous_store(int(rank), int(world_size), addr, int(port), timeout),
+                      rank=int(rank), world_size=int(world_size))
+    waited = "for the other ranks" if rank == "0" else "for rank 0"
+    advice = "start every rank together (torchrun, or srun in the sbatch file), or raise " \
+             "DIST_TIMEOUT_MINUTES"
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if restart != "0" and os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE") != "1":
+        # the likely cause of a failed restart (pytorch/pytorch#135712), not a missing rank
+        waited += f" after torchrun restart {restart}"
+        advice = "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before torchrun: restarted " \
+                 "workers otherwise meet the dead workers' addresses (pytorch/pytorch#135712)"
+    where = f"MASTER_ADDR:MASTER_PORT {addr}:{port}"
+    try:
+        if int(world_size) > 1:
+            with WaitReporter(f"rank {rank} of {world_size}: waiting {waited} at {addr}:{port} "
+                              "to start the process group", timeout,
+                              f"rank {rank} of {world_size} waited {timeout} {waited} at {where}:"
+                              f" {advice}"):
+                dist.init_process_group(backend, **kwargs)
+        else:
+            dist.init_process_group(backend, **kwargs)
+    except (ValueError, RuntimeError) as e:  # DistError is a RuntimeError
+        reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        sys.exit(f"error: rank {rank} of {world_size} waited {timeout} {waited} at {where} "
+                 f"({reason.rstrip('.')}): {advice}")

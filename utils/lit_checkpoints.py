@@ -1,4 +1,4 @@
-"""Lightning's checkpoints made as safe as the plain scripts' (utils/distributed_utils.py):
+"""Lightning's checkpoints made as safe as the plain scripts' (utils/checkpointing.py):
 written atomically, checked when read back, carrying every rank's random-number states, and
 resumed from the newest good one after a requeue. Only the Lightning variant imports this file.
 
@@ -18,8 +18,8 @@ import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from utils.checkpointing import restart_count
 from utils.files import atomic_torch_save, torch_file_problem
+from utils.launch import restart_count
 from utils.rng import rng_states, set_rng_states
 
 

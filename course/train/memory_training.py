@@ -41,11 +41,12 @@ from torch.utils.data.distributed import DistributedSampler
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int
+from utils.checkpointing import save_full_model
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit, pad_batch)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
-                                     print0, save_full_model, setup)
+                                     print0, setup)
 from utils.metrics import Throughput, flops_per_token, perplexity, training_summary, write_summary
 from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import autocast, set_precision

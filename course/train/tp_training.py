@@ -45,7 +45,7 @@ from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_pr
 # Replicate from torch.distributed.tensor, the tensor-parallel tools from
 # torch.distributed.tensor.parallel (parallelize_module, ColwiseParallel, RowwiseParallel,
 # loss_parallel), fully_shard from torch.distributed.fsdp in place of DDP (TODO 29 says why),
-# and save_full_model from utils.distributed_utils in place of save0 (TODO 32).
+# and save_full_model from utils.checkpointing in place of save0 (TODO 32).
 #| exercise
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
@@ -57,7 +57,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                parallelize_module)
-from utils.distributed_utils import save_full_model
+from utils.checkpointing import save_full_model
 #| end
 
 

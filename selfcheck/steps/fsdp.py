@@ -307,9 +307,8 @@ def check_resume(ctx, stop, resumed, ref) -> None:
 HINTS = {
     17: ("FSDP2 replaces DDP, and sharded checkpoints replace save0: import the new pieces.",
          "fully_shard, MixedPrecisionPolicy and FSDPModule from torch.distributed.fsdp; "
-         "save_sharded_model, "
-         "load_sharded_model and save_full_model from utils.distributed_utils; "
-         "resume_checkpoint and resume_position from utils.checkpointing."),
+         "save_sharded_model, load_sharded_model, save_full_model, resume_checkpoint and "
+         "resume_position from utils.checkpointing."),
     18: ("Each call of fully_shard makes one FSDP unit: its parameters are split over the ranks "
          "and gathered only while the unit computes. One unit per Transformer block, then one "
          "for the rest (the root), so only one block is whole at a time.",

@@ -315,7 +315,7 @@ HINTS = {
          "os; init_device_mesh (torch.distributed.device_mesh); Replicate "
          "(torch.distributed.tensor); parallelize_module, ColwiseParallel, RowwiseParallel and "
          "loss_parallel (torch.distributed.tensor.parallel); fully_shard "
-         "(torch.distributed.fsdp); save_full_model (utils.distributed_utils)."),
+         "(torch.distributed.fsdp); save_full_model (utils.checkpointing)."),
     24: ("Megatron's split: the first linear layer of attention and of the MLP column-wise "
          "(each rank some heads or hidden units), the second row-wise (an all-reduce adds the "
          "parts); the embedding and the output layer split over the vocabulary.",

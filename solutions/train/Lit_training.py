@@ -3,7 +3,7 @@
 This file has no TODOs: train/Lit_training.py and solutions/train/Lit_training.py are the same
 file. Read it next to solutions/train/to_distributed_training.py to see which of the DDP lesson's
 steps Lightning takes over (docs/lightning.md has the list). The network, loss and optimizer are
-in model/transformerLM.py, the data loaders in utils/lit_data.py.
+in utils/lit_model.py, the data loaders in utils/lit_data.py.
 
 Run it:
     python train/Lit_training.py --preset tiny --max-steps 50      # laptop: 2 CPU processes, DDP
@@ -37,7 +37,6 @@ from lightning.pytorch.utilities import rank_zero_only
 from torch.distributed.fsdp import fully_shard
 
 from model import get_config
-from model.transformerLM import LitTransformerLM
 from utils.args import base_parser, positive_int
 from utils.checks import claim_out_dir, stop_if_a_loss_was_not_finite, stop_if_not_finite
 from utils.data import check_splits, load_corpus_or_exit
@@ -45,6 +44,7 @@ from utils.distributed_utils import TIMEOUT, destroy_process_group, warn_if_slur
 from utils.launch import check_launch_environment
 from utils.lit_checkpoints import AtomicCheckpointIO, RandomStates, resume_path
 from utils.lit_data import WikiText2DataModule
+from utils.lit_model import LitTransformerLM
 from utils.metrics import (FINAL_METRICS, Throughput, flops_per_token, perplexity, speed_text,
                            training_summary, write_summary)
 from utils.monitor import TrainingMonitor

@@ -33,25 +33,24 @@ from torch.utils.data import DataLoader
 
 from model import TransformerLM, get_config
 from utils.args import base_parser
+from utils.checkpointing import checkpoint_blocking_seconds, use_async_checkpoint_saves
 from utils.checks import claim_out_dir, stop_if_not_finite
 from utils.data import IGNORE_INDEX, TokenWindows, check_splits, load_corpus_or_exit, pad_batch
 from utils.metrics import (Throughput, flops_per_token, model_state_bytes, peak_memory_bytes,
                            perplexity, speed_text, training_summary, write_summary)
 from utils.monitor import TrainingMonitor, planned_steps
-from utils.distributed_utils import checkpoint_blocking_seconds, use_async_checkpoint_saves
 from utils.precision import autocast, compile_blocks, set_precision
 from torch.utils.data.distributed import DistributedSampler
 from utils.data import DistributedEvalSampler
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
                                      gather_per_rank, print0, setup)
 # DONE 17: Import FSDP2's fully_shard, MixedPrecisionPolicy and FSDPModule (the class every
-# sharded module becomes) from torch.distributed.fsdp, the checkpoint helpers
-# save_sharded_model, load_sharded_model and save_full_model (from utils.distributed_utils), and
-# the resume bookkeeping resume_checkpoint and resume_position (from utils.checkpointing). DDP
-# and save0 are no longer needed.
+# sharded module becomes) from torch.distributed.fsdp, and from utils.checkpointing the
+# checkpoint helpers save_sharded_model, load_sharded_model and save_full_model and the resume
+# bookkeeping resume_checkpoint and resume_position. DDP and save0 are no longer needed.
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from utils.checkpointing import resume_checkpoint, resume_position
-from utils.distributed_utils import load_sharded_model, save_full_model, save_sharded_model
+from utils.checkpointing import (load_sharded_model, resume_checkpoint, resume_position,
+                                 save_full_model, save_sharded_model)
 
 
 # DONE 18: Shard the model with FSDP2: write apply_fsdp(model, precision="fp32",

@@ -1,9 +1,11 @@
 """The course's TransformerLM as a Lightning module: the same network, loss and optimizer as the
 plain scripts, with Lightning doing the distribution.
 
-Only train/Lit_training.py imports this file: `model/__init__.py` does not, so the plain-PyTorch
-scripts run without Lightning installed. Like the rest of model/, it knows nothing about how the
-network is split: the training script passes the sharding function (`parallelize`) in.
+Only train/Lit_training.py imports this file, so the plain-PyTorch scripts run without Lightning
+installed. It lives with the Lightning step's other helpers (utils/lit_data.py,
+utils/lit_checkpoints.py), not in model/, which holds the network alone and knows nothing of how
+it is trained. Nor does this file know how the network is split: the training script passes the
+sharding function (`parallelize`) in.
 """
 
 from __future__ import annotations
