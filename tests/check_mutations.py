@@ -107,7 +107,8 @@ MISTAKES = [
     ("ddp", DDP, "no destroy_process_group", 11, [("    destroy_process_group()\n", "")]),
     ("ddp", DDP, "destroy_process_group before the end", 11,
      [("    destroy_process_group()\n", ""),
-      ("    write_summary(out_dir, summary)\n", "    write_summary(out_dir, summary)\n"
+      ("    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)\n",
+       "    write_summary(out_dir, summary, vocab=corpus.vocab)\n"
        "    if rank == 0:\n        destroy_process_group()\n")]),
     # ---- the DDP job file ---------------------------------------------------------------
     ("sbatch", SBATCH, "one GPU asked for", 12, [("#SBATCH --gres=gpu:4", "#SBATCH --gres=gpu:1")]),

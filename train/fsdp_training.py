@@ -227,7 +227,7 @@ def main():
     # save_full_model, called on every rank: it gathers the full weights on rank 0 (into CPU
     # memory), and the file loads into a plain TransformerLM.
     save0(model, out_dir / "final_model.pt")
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # Drop the model first, so its communication buffers are freed while the group still exists.
     # (Assigned None rather than deleted: save_checkpoint above still names them.)

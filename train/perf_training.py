@@ -232,7 +232,7 @@ def main():
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{speed_text(summary)} ({summary['precision']}), {peak_memory_text(summary, device)}")
     save0(model, out_dir / "final_model.pt")
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     del model, optimizer
     destroy_process_group()

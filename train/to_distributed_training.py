@@ -161,7 +161,7 @@ def main():
           f"{peak_memory_text(summary, device)}")
     # TODO 10: save0
     torch.save(model.state_dict(), out_dir / "final_model.pt")
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # TODO 11: Leave the process group when done (destroy_process_group). Delete the DDP model
     # and the optimizer first, so its communication buffers are freed while the group still

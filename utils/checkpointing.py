@@ -10,6 +10,7 @@ checkpoint a run continues from.
 - atomic_folder: a folder every rank writes into that appears only when all have finished,
   with a manifest of every file's size and CRC-32 (the pipeline steps save through it too).
 - Which checkpoint: checkpoint_problem (complete?), checkpoint_damage (intact?),
+  sealed_folder_problem (any atomic_folder complete?),
   latest_checkpoint, newest_good_checkpoint, usable_checkpoint, read_train_state.
 - Resuming a run: resume_checkpoint (--resume, restarts by torchrun or Slurm) and
   resume_position (where in the data to continue).
@@ -315,9 +316,27 @@ def checkpoint_blocking_seconds() -> list[float]:
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
     """Why `path` is not a complete checkpoint written by save_sharded_model; None if it is.
 
-    Cheap checks only, the same on every rank: the completion marker MANIFEST is there and
-    every file it names exists with its size (checkpoint_damage compares the contents).
+    Cheap checks only, the same on every rank: the completion marker MANIFEST is there, every
+    file it names exists with its size (checkpoint_damage compares the contents), and
+    train_state.json is readable.
     """
+    path = Path(path)
+    problem = sealed_folder_problem(path)
+    if problem is not None:
+        return problem
+    if TRAIN_STATE_FILE not in json.loads((path / MANIFEST).read_text())["files"]:
+        return f"it has no {TRAIN_STATE_FILE}, so save_sharded_model did not write it"
+    try:  # readable by people, and editable (e.g. best_val): checked by reading it
+        json.loads((path / TRAIN_STATE_FILE).read_text())["step"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {TRAIN_STATE_FILE} is missing or unreadable"
+    return None
+
+
+def sealed_folder_problem(path: str | os.PathLike) -> str | None:
+    """Why `path` is not a complete folder written through atomic_folder (a checkpoint, or the
+    pipeline steps' final_model); None if it is: its MANIFEST is there and every file it names
+    exists with its size. Cheap: no file is read but the manifest."""
     path = Path(path)
     if not path.is_dir():
         return "there is no such folder"
@@ -327,14 +346,8 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
         return f"its {MANIFEST} is unreadable"
-    if TRAIN_STATE_FILE not in files:
-        return f"it has no {TRAIN_STATE_FILE}, so save_sharded_model did not write it"
-    try:  # readable by people, and editable (e.g. best_val): checked by reading it
-        json.loads((path / TRAIN_STATE_FILE).read_text())["step"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return f"its {TRAIN_STATE_FILE} is missing or unreadable"
     for name, entry in files.items():
-        if name == TRAIN_STATE_FILE:
+        if name == TRAIN_STATE_FILE:  # editable by hand: checked by reading it
             continue
         what = _what_file(name)
         if not (path / name).is_file():

@@ -140,8 +140,8 @@ def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:
 
 # What a run leaves in --out-dir that a later run would overwrite (checkpoints/ only when it
 # holds something), and what --overwrite deletes besides (logs of the earlier run).
-RESULTS = ("summary.json", "best_model.pt", "final_model.pt", "best_model", "final_model",
-           "checkpoints", "hpc_ckpt_*.ckpt")
+RESULTS = ("summary.json", "vocab.txt", "best_model.pt", "final_model.pt", "best_model",
+           "final_model", "checkpoints", "hpc_ckpt_*.ckpt")
 LOGS = ("tensorboard", "profile", "wandb", "wandb-cache")
 
 

@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import Dataset, Sampler
 
 from utils.distributed_utils import is_root_process
-from utils.files import DiskFullError, atomic_torch_save, free_mib, torch_file_problem
+from utils.files import DiskFullError, atomic_open, atomic_torch_save, free_mib, torch_file_problem
 
 UNK, EOS = "<unk>", "<eos>"
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
@@ -41,6 +41,7 @@ SPLITS = ("train", "valid", "test")
 HUB_NAME = "Salesforce/wikitext"
 CACHE_FORMAT = 1
 REPO_ROOT = Path(__file__).resolve().parents[1]
+VOCAB_FILE = "vocab.txt"  # a run's words, one per line: line i is the word of id i
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,19 @@ def build_corpus(split_lines: dict[str, list[str]], source: str,
     """Word counts first, then ids, line by line: no list of all the words is ever built."""
     vocab = build_vocab(count_words(split_lines["train"]), max_vocab)
     return Corpus(vocab, *(encode(split_lines[s], vocab) for s in SPLITS), source=source)
+
+
+def write_vocab(vocab: list[str], path: str | os.PathLike) -> None:
+    """The words one per line, in id order (line i is the word of id i), as UTF-8, atomically:
+    what tools/generate.py turns a trained model's ids back into words with. (Words never
+    contain white space: the text was split on it.)"""
+    with atomic_open(path, "wb") as f:
+        f.write("".join(f"{word}\n" for word in vocab).encode("utf-8"))
+
+
+def read_vocab(path: str | os.PathLike) -> list[str]:
+    """The words write_vocab wrote, in id order."""
+    return Path(path).read_bytes().decode("utf-8").split("\n")[:-1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from utils.distributed_utils import all_reduce_sum, collective_device, is_root_process
+from utils.data import VOCAB_FILE, write_vocab
 from utils.files import atomic_write_json
 # the pipeline's bubble and its timer live with the drawing of the schedule; importable from here
 from utils.pipeline_timeline import StageBusyTimer, pipeline_bubble_fraction  # noqa: F401
@@ -474,11 +475,15 @@ def training_summary(args, cfg, corpus, *, world_size: int, steps: int, loss_his
         **extra)
 
 
-def write_summary(out_dir: str | os.PathLike, summary: dict) -> Path:
+def write_summary(out_dir: str | os.PathLike, summary: dict,
+                  vocab: list[str] | None = None) -> Path:
     """OUT_DIR/summary.json from the root process: what tests and benchmarks read back.
     Written atomically; NaN and infinities (a run that trained no step has no tokens/s) are
-    written as null, so the file stays valid JSON."""
+    written as null, so the file stays valid JSON. With `vocab` (the corpus's words), also
+    OUT_DIR/vocab.txt: with it tools/generate.py writes the model's text without the data."""
     path = Path(out_dir) / "summary.json"
     if is_root_process():
+        if vocab is not None:
+            write_vocab(vocab, Path(out_dir) / VOCAB_FILE)
         atomic_write_json(path, summary)
     return path

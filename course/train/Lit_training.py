@@ -383,7 +383,7 @@ def main():
         memory=course_log.monitor.memory)  # the breakdown after the first step (utils/memory.py)
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{speed_text(summary)}")
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     course_log.monitor.close(summary)
     # Lightning would destroy the process group at exit; doing it here, after freeing the wrapped
     # model and a barrier (see utils/distributed_utils.py), avoids rare aborts at teardown.

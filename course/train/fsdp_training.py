@@ -310,7 +310,7 @@ def main():
     #| solution
     save_full_model(model, out_dir / "final_model.pt")
     #| end
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # Drop the model first, so its communication buffers are freed while the group still exists.
     # (Assigned None rather than deleted: save_checkpoint above still names them.)

@@ -232,7 +232,7 @@ def main():
     #| solution
     save0(model, out_dir / "final_model.pt")
     #| end
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # TODO 11: Leave the process group when done (destroy_process_group). Delete the DDP model
     # and the optimizer first, so its communication buffers are freed while the group still

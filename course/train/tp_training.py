@@ -317,7 +317,7 @@ def main():
     #| solution
     save_full_model(model, out_dir / "final_model.pt")
     #| end
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer

@@ -229,7 +229,7 @@ def main():
     print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
            f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%}")
     save_full_model(model, out_dir / "final_model.pt")  # every layout: one ordinary state_dict
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     del model, optimizer
     destroy_process_group()

@@ -415,7 +415,7 @@ def main():
     # any other layout (DCP reshards when loading). It appears only once every rank is done.
     with atomic_folder(out_dir / "final_model") as folder:
         dcp.save(model.state_dict(), checkpoint_id=folder)
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     del model, optimizer, parts, stages, schedule, eval_schedule
     destroy_process_group()

@@ -308,7 +308,7 @@ def main():
     # DONE 39: Distributed Checkpoint, into out_dir / "final_model"
     with atomic_folder(out_dir / "final_model") as folder:
         dcp.save(model.state_dict(), checkpoint_id=folder)
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer

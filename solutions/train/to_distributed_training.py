@@ -166,7 +166,7 @@ def main():
            f"{peak_memory_text(summary, device)}")
     # DONE 10: save0
     save0(model, out_dir / "final_model.pt")
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # DONE 11: Leave the process group when done (destroy_process_group). Delete the DDP model
     # and the optimizer first, so its communication buffers are freed while the group still

@@ -257,7 +257,7 @@ def main():
            f"{speed_text(summary)}")
     # DONE 32: save_full_model
     save_full_model(model, out_dir / "final_model.pt")
-    write_summary(out_dir, summary)
+    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer
