@@ -94,11 +94,12 @@ def test_generate_writes_text_after_the_prompt_and_reads_unknown_words_as_unk(ru
                           "--max-new-tokens", "40", "--seed", "1"]) == 0
     out = capsys.readouterr().out.splitlines()
     summary = json.loads((runs / "pp_training" / "summary.json").read_text())
-    assert out[0].startswith(f"model: {runs / 'pp_training' / 'final_model'} (pp_training.py")
+    assert out[0] == f"model: {runs / 'pp_training' / 'final_model'} (0.2M parameters, 502 words)"
+    assert out[1].startswith("trained by pp_training.py, preset tiny, 4 steps; perplexity")
     assert out[1].endswith(f"test {summary['test_ppl']:.1f}")
     assert [line for line in out if "<unk>" in line and "note" in line] == [
         "note: not in the run's vocabulary, read as <unk>: notaword"]
-    lines = out[out.index("---") + 1:]  # a line break for every <eos>
+    lines = out[out.index("") + 1:]  # after an empty line; a line break for every <eos>
     words = " ".join(lines).split()
     assert words[:5] == ["w1", "<unk>", "w2", "<unk>", "w3"]
     assert len(words) + len(lines) - 1 == 5 + 40

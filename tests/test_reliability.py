@@ -400,13 +400,13 @@ def test_running_again_in_the_same_folder_refuses_to_overwrite_until_asked(tmp_p
     for again in (("--max-steps", "1"), ("--max-steps", "0")):  # also: only evaluating
         proc = run(DDP, *TINY, *again, "--out-dir", out, COURSE_DATA_CACHE=data_cache)
         error_line(proc, f"error: --out-dir {out} holds the results of an earlier run "
-                         "(best_model.pt, final_model.pt, summary.json): delete them with "
+                         "(best_model.pt, final_model.pt, summary.json, vocab.txt): delete them with "
                          "--overwrite, or choose another --out-dir")
         assert snapshot(out) == before
     proc = run_script(DDP, *TINY, "--max-steps", "2", "--out-dir", out, "--overwrite",
                       env=script_env(data_cache))
-    assert (f"--overwrite: deleted the earlier run's best_model.pt, final_model.pt, summary.json "
-            f"in {out}") in proc.stdout
+    assert (f"--overwrite: deleted the earlier run's best_model.pt, final_model.pt, summary.json, "
+            f"vocab.txt in {out}") in proc.stdout
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
@@ -416,7 +416,7 @@ def test_the_fsdp_step_continues_its_own_run_with_resume_and_says_how_otherwise(
     fsdp = SCRIPTS["fsdp"]
     run_script(fsdp, *TINY, "--max-steps", "1", "--out-dir", out, env=script_env(data_cache))
     proc = run(fsdp, *TINY, "--max-steps", "2", "--out-dir", out, COURSE_DATA_CACHE=data_cache)
-    error_line(proc, "(checkpoints/, final_model.pt, summary.json): continue it with --resume "
+    error_line(proc, "(checkpoints/, final_model.pt, summary.json, vocab.txt): continue it with --resume "
                      "auto, delete them with --overwrite, or choose another --out-dir")
     proc = run(fsdp, *TINY, "--max-steps", "2", "--out-dir", out, "--resume", "auto",
                "--overwrite", COURSE_DATA_CACHE=data_cache)

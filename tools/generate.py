@@ -5,7 +5,7 @@
     python tools/generate.py runs/pp_training/best_model --max-new-tokens 200 --top-k 0 --seed 2
 
 RUN_DIR_OR_CHECKPOINT is a run's --out-dir (then its final model: final_model.pt, final_model/ or
-Lightning's checkpoints/last.ckpt; else its best model or newest checkpoint) or any one model it
+Lightning's checkpoints/last.ckpt; else its best model, else its last checkpoint) or any model it
 saved, in the format of any step (utils/saved_model.py loads them all).
 
 The model writes one word at a time. It scores every word of its vocabulary as the next one;
@@ -88,16 +88,15 @@ def generate(model, ids: list[int], max_new_tokens: int, words: int, temperature
 
 
 def describe(trained: TrainedModel) -> str:
-    """Two lines: which model, and the perplexity its run reported."""
-    s, params = trained.summary, sum(p.numel() for p in trained.model.parameters())
-    run = ", ".join(part for part in (s.get("script"), s.get("preset") and f"preset {s['preset']}",
-                                      s.get("steps") is not None and f"{s['steps']} steps") if part)
-    model = (f"model: {trained.checkpoint} ({run + ', ' if run else ''}{params / 1e6:.1f}M "
-             f"parameters, {trained.words} words)")
-    if "test_ppl" not in s:
-        return f"{model}\nperplexity: unknown (no summary.json)"
-    return (f"{model}\nperplexity of the run's final model (summary.json): validation "
-            f"{s['val_ppl']:.1f}, test {s['test_ppl']:.1f}")
+    """Which model, and what its run reported (summary.json)."""
+    params = sum(p.numel() for p in trained.model.parameters()) / 1e6
+    lines = [f"model: {trained.checkpoint} ({params:.1f}M parameters, {trained.words} words)"]
+    s = trained.summary
+    if s:
+        lines.append(f"trained by {s['script']}, preset {s['preset']}, {s['steps']} steps; "
+                     f"perplexity of its final model: validation {s['val_ppl']:.1f}, "
+                     f"test {s['test_ppl']:.1f}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
     start = prompt or [trained.vocab.index(EOS)]
     new = generate(trained.model, start, args.max_new_tokens, trained.words, args.temperature,
                    args.top_k, args.seed)
-    print("---")
+    print()
     print(decode(prompt + new, trained.vocab))
     return 0
 

@@ -39,7 +39,7 @@ from utils.data import VOCAB_FILE, DataUnavailableError, load_corpus, read_vocab
 from utils.files import torch_file_problem
 
 # What a run folder holds, in the order we take it: its final model (the one whose perplexity
-# summary.json reports; Lightning tests its last checkpoint), else its best, else the newest
+# summary.json reports; Lightning tests its last checkpoint), else its best, else the last
 # checkpoint of a run that has not finished.
 RUN_MODELS = ("final_model.pt", "final_model", "checkpoints/last.ckpt", "best_model.pt",
               "best_model", "checkpoints/best", "checkpoints/last")
