@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -71,9 +72,42 @@ def busy(seconds):
         pass
 
 
-def test_the_timer_records_every_action_of_a_step_and_nothing_outside_one():
+class StandInCudaEvent:
+    """torch.cuda.Event as the timer uses it, on the host clock: record() marks the time,
+    elapsed_time(end) is end minus start in milliseconds, and synchronize() waits for nothing
+    (on a GPU it waits for the stream to get there)."""
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing, "an event without enable_timing has no time to read"
+        self.time = None
+
+    def record(self):
+        self.time = time.perf_counter()
+
+    def query(self):
+        return self.time is not None
+
+    def synchronize(self):
+        assert self.time is not None, "waited for an event that was never recorded"
+
+    def elapsed_time(self, end):
+        assert self.time is not None and end.time is not None
+        return (end.time - self.time) * 1000
+
+
+@pytest.fixture(params=["cpu", "cuda (stand-in events)"])
+def timer_device(request, monkeypatch):
+    """The host clock, and the CUDA-event clock rehearsed on the CPU with stand-in events (the
+    real one runs in test_on_a_gpu_the_timer_never_waits_for_the_gpu_during_training)."""
+    if request.param == "cpu":
+        return torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "Event", StandInCudaEvent)
+    return torch.device("cuda", 0)
+
+
+def test_the_timer_records_every_action_of_a_step_and_nothing_outside_one(timer_device):
     stages = [FakeStage(0), FakeStage(2)]
-    timer = StageBusyTimer(stages, torch.device("cpu"), keep_steps=2)
+    timer = StageBusyTimer(stages, timer_device, keep_steps=2)
     stages[0].forward_one_chunk(0, ())  # evaluation: not timed, and the call still works
     idle = []
     for _ in range(3):
