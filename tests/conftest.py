@@ -25,6 +25,16 @@ os.environ.setdefault(HOST_CUDA_KEY, os.environ.get("CUDA_VISIBLE_DEVICES", "<un
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """`-n 2` (README, pytest-xdist): whole test files per test process, so a file's module
+    fixtures (the check's warm fork server and reference runs, the GPU suite's references) serve
+    all its tests and the real-Slurm tests share one cluster. Here rather than `--dist loadfile`
+    in pyproject.toml: that would stop every pytest call where pytest-xdist is not installed."""
+    if getattr(config.option, "dist", "no") == "load":  # what -n alone chooses
+        config.option.dist = "loadfile"
+
+
 def script_env(cache_dir: Path | str | None = None, **extra) -> dict:
     """The environment for a script under test: offline, one thread per process, no Slurm,
     no GPU (see gpu_env for the GPU suite)."""
