@@ -9,9 +9,11 @@ leaves the group) then walks only the rank's own objects, not torch's (a quarter
 """
 
 import gc
+import importlib
 
 import torch  # noqa: F401
 import torch.distributed  # noqa: F401
+import torch.distributed.algorithms.ddp_comm_hooks  # noqa: F401
 import torch.distributed.checkpoint  # noqa: F401
 import torch.distributed.checkpoint.state_dict  # noqa: F401
 import torch.distributed.device_mesh  # noqa: F401
@@ -23,6 +25,7 @@ import torch.nn.functional  # noqa: F401
 import torch.nn.parallel  # noqa: F401
 import torch.profiler  # noqa: F401
 import torch.utils.data.distributed  # noqa: F401
+import torch.utils.serialization.config  # noqa: F401
 
 import model  # noqa: F401
 import selfcheck.probe  # noqa: F401
@@ -36,5 +39,13 @@ import utils.monitor  # noqa: F401
 import utils.precision  # noqa: F401
 import utils.run_lock  # noqa: F401
 import selfcheck.standin  # noqa: F401
+
+# what torch imports on first use (a DCP save, the profiler, torch.save): private names, so a
+# later torch without them costs an import at most, never the check
+for name in ("torch.distributed.checkpoint._fsspec_filesystem", "torch.profiler._cupti_monitor"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
 
 gc.freeze()

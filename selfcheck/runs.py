@@ -135,8 +135,9 @@ def rank_main(probe_args: list[str], env: dict, log: str) -> None:
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
-    from selfcheck.probe import main
-    main(probe_args)
+    import selfcheck.probe
+    selfcheck.probe.MODULES_AT_FORK = frozenset(sys.modules)
+    selfcheck.probe.main(probe_args)
 
 
 _FORK_CONTEXT = None

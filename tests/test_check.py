@@ -8,6 +8,7 @@ and shares its reference runs between the cases.
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -63,12 +64,19 @@ def copy_of(tmp_path, rel, *replacements, source="solutions"):
 
 
 @pytest.mark.parametrize("step", ORDER)
-def test_the_solution_is_all_good(tmp_path, step):
+def test_the_solution_is_all_good(tmp_path, step, check_cache):
     code, text, flagged = run_check(step, copy_of(tmp_path, step_module(step).FILE))
     assert code == 0 and text.rstrip().endswith("all good"), text
     assert not flagged
     lines = [l for l in text.splitlines() if re.match(r"^  ok +TODO \d+", l)]
     assert len(lines) == len(step_module(step).TODOS), "one ok line per TODO\n" + text
+    # and no rank imported a torch module its fork server had not imported (each would cost
+    # every rank of every check its import time: selfcheck/preload.py)
+    dumps = list((check_cache / "last" / step).glob("*/dump/rank*.json"))
+    assert dumps or not getattr(step_module(step), "NEEDS_TORCH", True), "no rank's record"
+    for dump in dumps:
+        imported = json.loads(dump.read_text()).get("torch_imported_after_fork")
+        assert imported == [], f"{dump}: {imported}"
 
 
 @pytest.mark.parametrize("step, rel, what, todo, replacements", MISTAKES,
@@ -132,7 +140,7 @@ def test_the_dry_run_warns_about_a_torchrun_that_gets_no_process_count(tmp_path)
 
 def test_every_todo_has_at_least_two_mistakes_in_this_suite():
     counts = {}
-    for step, _, _, todo, _ in MISTAKES:
+    for _step, _, _, todo, _ in MISTAKES:
         counts[todo] = counts.get(todo, 0) + 1
     todos = {n for step in ORDER for n in step_module(step).TODOS}
     assert {n for n in todos if counts.get(n, 0) < 2} == set()
