@@ -61,7 +61,7 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 from model.transformer import PRESETS, ModelConfig, TransformerLM  # noqa: E402
 from utils.files import atomic_write_json  # noqa: E402
 from utils.memory import (CATEGORIES, Layout, infer_layout, measure_state,  # noqa: E402
-                          param_counts, predict)
+                          param_counts, pipeline_depth, predict)
 from utils.metrics import GPU_PEAK_FLOPS, flops_per_token, pipeline_bubble_fraction  # noqa: E402
 
 
@@ -214,7 +214,7 @@ def build_rank(cfg: ModelConfig, a: argparse.Namespace, world: int, rank: int,
         # are freed after their forward): what the scripts measure as "gathered"
         measured["gathered"] = sum(u["bytes"] for u in parts["fsdp"]
                                    if not u["reshard_after_forward"])
-        layout = infer_layout(model, a, world)  # as every script does for its breakdown
+        layout = infer_layout(model, a, world, a.precision)  # as every script's breakdown
         tokens = a.batch_size // a.microbatches * cfg.max_seq_len
         formula = predict(cfg, tokens, layout, precision=a.precision)
         row = {"rank": rank, "stage": stage_index,
@@ -562,10 +562,13 @@ def screen(cfg, args, world: int, gpus_per_node: int, tp: int, pp: int, network:
     worst, seconds = None, dict.fromkeys(DIMS, 0.0)
     for stage in {0, pp - 1}:
         first, last = stage == 0, stage == pp - 1
-        in_flight = (a.microbatches if a.schedule == "gpipe" else min(pp - stage, a.microbatches)
-                     ) if pp > 1 else 1  # as utils/memory.py's infer_layout
-        layout = Layout(dp=a.dp, zero=3, tp=tp, layers=layers[stage], first=first, last=last,
-                        microbatches=in_flight)
+        layout = Layout(dp=a.dp, zero=3, tp=tp, layers=layers[stage], first=first, last=last)
+        if pp > 1:  # as utils/memory.py's infer_layout: torch's order of the schedule
+            start = sum(layers[:stage])
+            held = list(range(start, start + layers[stage]))
+            layout = replace(layout, microbatches=pipeline_depth(
+                cfg, layout, a.schedule, pp, a.microbatches, held, layers_per_stage=layers,
+                precision=a.precision))
         formula = predict(cfg, tokens, layout, precision=a.precision)
         total = sum(formula[k] for k in (*CATEGORIES, "gathered"))
         worst = total if worst is None else max(worst, total)

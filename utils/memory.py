@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from torch import nn
@@ -207,7 +207,8 @@ class Layout:
     resharding keeps the same bytes after a step, so it is 3 too); tp: tensor-parallel degree;
     layers: the Transformer blocks this rank holds (a pipeline stage's share); first/last: it
     holds the embeddings / the final norm and output layer; microbatches: how many microbatches'
-    activations are alive at once (a pipeline schedule's depth), each of `tokens` tokens;
+    activations are alive at once (a pipeline schedule's depth, pipeline_depth(): not always a
+    whole number where one rank holds stages of different sizes), each of `tokens` tokens;
     checkpointing: blocks keep only their input; offload: parameters, gradients and optimizer
     state live in host memory (CPUOffloadPolicy); reshard: under FSDP (zero 3), the blocks free
     their gathered parameters after forward (True, ZeRO-3) or keep them until backward (False:
@@ -218,7 +219,7 @@ class Layout:
     layers: int | None = None
     first: bool = True
     last: bool = True
-    microbatches: int = 1
+    microbatches: float = 1
     checkpointing: bool = False
     offload: bool = False
     reshard: bool = True
@@ -324,7 +325,7 @@ def bytes_per_param(precision: str = "fp32", optimizer: str = "adamw", course: b
 
 
 # ---------------------------------------------------------------- what a script reports
-def infer_layout(model: nn.Module, args, world_size: int) -> Layout:
+def infer_layout(model: nn.Module, args, world_size: int, precision: str = "fp32") -> Layout:
     """The layout of a running script's model, for the formula next to the measurement."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     inner = getattr(model, "module", model)  # DDP's wrapped model
@@ -338,25 +339,75 @@ def infer_layout(model: nn.Module, args, world_size: int) -> Layout:
     named = getattr(args, "layout", None)  # the memory step's --layout
     zero = 3 if fsdp else 1 if named == "zero1" else 0
     layers = len(inner.layers) if hasattr(inner, "layers") else None
-    microbatches = 1
-    if hasattr(args, "microbatches") and pp > 1:
-        stage = _stage_index(inner, pp)
-        microbatches = (args.microbatches if getattr(args, "schedule", "1f1b") == "gpipe"
-                        else min(pp - stage, args.microbatches))
-    return Layout(dp=dp, zero=zero, tp=tp, layers=layers,
-                  first=getattr(inner, "tok_emb", None) is not None,
-                  last=getattr(inner, "output", None) is not None, microbatches=microbatches,
-                  checkpointing=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
-                  offload=is_offloaded(model),
-                  reshard=named != "zero2" and str(getattr(args, "reshard_after_forward",
-                                                           "true")).lower() != "false")
+    layout = Layout(dp=dp, zero=zero, tp=tp, layers=layers,
+                    first=getattr(inner, "tok_emb", None) is not None,
+                    last=getattr(inner, "output", None) is not None,
+                    checkpointing=any(isinstance(m, CheckpointWrapper) for m in model.modules()),
+                    offload=is_offloaded(model),
+                    reshard=named != "zero2" and str(getattr(args, "reshard_after_forward",
+                                                             "true")).lower() != "false")
+    if hasattr(args, "microbatches") and pp > 1 and getattr(inner, "cfg", None) is not None:
+        layout = replace(layout, microbatches=pipeline_depth(
+            inner.cfg, layout, getattr(args, "schedule", "1f1b"), pp, args.microbatches,
+            sorted(int(k) for k in inner.layers), getattr(args, "stages_per_rank", None) or 1,
+            getattr(args, "layers_per_stage", None), precision))
+    return layout
 
 
-def _stage_index(model, stages: int) -> int:
-    if getattr(model, "tok_emb", None) is not None:
-        return 0
-    first_layer = min(int(k) for k in model.layers) if len(model.layers) else 0
-    return min(first_layer * stages // max(model.cfg.n_layers, 1), stages - 1)
+def pipeline_depth(cfg, layout: Layout, schedule: str, pp: int, microbatches: int,
+                   held_layers: list[int], stages_per_rank: int = 1, layers_per_stage=None,
+                   precision: str = "fp32") -> float:
+    """How many microbatches' activations (of all this rank's layers) a pipeline schedule keeps
+    alive at its peak, from torch's own order of the rank's passes (utils/pipeline_timeline.py):
+    a microbatch's activations live from its forward (F) to the backward that frees them (B; in
+    the split schedules its W, the weight gradients, which need the same inputs).
+
+    GPipe keeps all m, 1F1B min(p - stage, m), the interleaved and zero-bubble orders what they
+    run. Stages of one rank differ in size (the first holds the embeddings, the last the output
+    layer), so the depth counts whole-rank microbatches and need not be a whole number.
+
+    One more thing torch 2.x does, measured: a split schedule's W frees only what the weight
+    gradients read. On the last stage the loss of every microbatch stays referenced until the
+    step ends, and with it the rest of its graph: attention's q, k, v, output and log-sum-exp,
+    the GELU input, the log-softmax (kept_after_w()). Other stages drop their graph at W."""
+    from utils.pipeline_timeline import SCHEDULE_CLASSES, schedule_order
+    num_stages = pp * stages_per_rank
+    counts = layers_per_stage or [cfg.n_layers // num_stages] * num_stages
+    starts = [sum(counts[:i]) for i in range(num_stages)]
+    held = [s for s in range(num_stages) if starts[s] in held_layers]
+    if not held:
+        return 1.0
+    compute = 2 if precision == "bf16" else 4
+
+    def per_token(stage: int, part=activation_bytes_per_token) -> float:
+        one = replace(layout, first=stage == 0, last=stage == num_stages - 1)
+        bytes_ = part(cfg, one, compute)
+        return bytes_["per_layer"] * counts[stage] + bytes_["other"]
+
+    order, = schedule_order(SCHEDULE_CLASSES.get(schedule, schedule), pp, microbatches,
+                            stages_per_rank, only=held[0] % pp)
+    alive = peak = 0.0
+    for stage, kind, _ in order:
+        if kind == "F":
+            alive += per_token(stage)
+            peak = max(peak, alive)
+        elif kind == "B":
+            alive -= per_token(stage)
+        elif kind == "W":
+            kept = per_token(stage, kept_after_w) if stage == num_stages - 1 else 0.0
+            alive -= per_token(stage) - kept
+    return peak / sum(per_token(stage) for stage in held)
+
+
+def kept_after_w(cfg, layout: Layout, compute_bytes: int = 4) -> dict:
+    """Bytes per token of what a split backward's W does not free (saved by operations without
+    weights, which only the input gradients (I) read), in activation_bytes_per_token's terms:
+    per block q, k, v and attention's output and log-sum-exp, the GELU input; on the last stage
+    the log-softmax of the logits."""
+    d, f, h, v, tp, c = (cfg.d_model, cfg.d_ff, cfg.n_heads, cfg.vocab_size, layout.tp,
+                         compute_bytes)
+    return {"per_layer": 4 * c * d / tp + 4 * h / tp + c * f / tp,
+            "other": 4 * v / tp if layout.last else 0}
 
 
 def is_offloaded(model: nn.Module) -> bool:

@@ -201,9 +201,9 @@ class TrainingMonitor:
         cfg = getattr(self.model, "cfg", None) or getattr(getattr(self.model, "module", None),
                                                           "cfg", None)
         cfg = cfg if isinstance(cfg, ModelConfig) else None
-        mine = breakdown(self.model, optimizer, self.activations, cfg, self.tokens,
-                         infer_layout(self.model, self.args, get_world_size()), self.device,
-                         self.precision)
+        layout = infer_layout(self.model, self.args, get_world_size(), self.precision)
+        mine = breakdown(self.model, optimizer, self.activations, cfg, self.tokens, layout,
+                         self.device, self.precision)
         everyone = [mine]
         if dist.is_initialized() and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()

@@ -276,19 +276,21 @@ class _StandInStage:
         return lambda *args, **kwargs: None
 
 
-def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1
-                   ) -> list[list[tuple[int, str, int]]]:
+def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1,
+                   only: int | None = None) -> list[list[tuple[int, str, int]]]:
     """Each rank's computations in the order torch's schedule runs them: (stage, kind, microbatch).
 
     Single-stage schedules (GPipe, 1F1B): their own step loop runs on a stand-in stage that
     records forward_one_chunk and backward_one_chunk and sends nothing. Schedules with a list
     of stages (interleaved, zero bubble) compute every rank's order when built: it is read from
-    a schedule built on stand-in stages.
+    a schedule built on stand-in stages. only=r: rank r's order alone, in a list of one (a
+    single-stage schedule then runs one stand-in step, not one per rank).
     """
     from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
     cls = schedule_class(cls)
     num_stages = ranks * stages_per_rank
+    wanted = range(ranks) if only is None else [only]
 
     def stand_in(rank: int, stage_index: int, calls=None):
         return _StandInStage(rank, ranks, stage_index, num_stages, calls)
@@ -297,7 +299,7 @@ def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1
         if stages_per_rank != 1:
             raise ValueError(f"{cls.__name__} runs one stage per rank, not {stages_per_rank}")
         order = []
-        for rank in range(ranks):
+        for rank in wanted:
             calls = []
             stage = stand_in(rank, rank, calls)
             schedule = cls(stage, n_microbatches=microbatches, loss_fn=lambda *a: None)
@@ -308,7 +310,7 @@ def schedule_order(cls, ranks: int, microbatches: int, stages_per_rank: int = 1
     stages = [stand_in(0, i) for i in stage_ids(0, ranks, stages_per_rank)]
     schedule = cls(stages, n_microbatches=microbatches)
     order = []
-    for rank in range(ranks):
+    for rank in wanted:
         actions = []
         for a in schedule.pipeline_order[rank]:
             kind = getattr(a, "computation_type", None) if a is not None else None
