@@ -29,6 +29,7 @@ import torch.utils.serialization.config  # noqa: F401
 
 import model  # noqa: F401
 import selfcheck.probe  # noqa: F401
+import selfcheck.standin  # noqa: F401
 import utils.args  # noqa: F401
 import utils.checkpointing  # noqa: F401
 import utils.checks  # noqa: F401
@@ -38,7 +39,6 @@ import utils.metrics  # noqa: F401
 import utils.monitor  # noqa: F401
 import utils.precision  # noqa: F401
 import utils.run_lock  # noqa: F401
-import selfcheck.standin  # noqa: F401
 
 # what torch imports on first use (a DCP save, the profiler, torch.save): private names, so a
 # later torch without them costs an import at most, never the check

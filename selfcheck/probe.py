@@ -16,6 +16,7 @@ from __future__ import annotations
 import builtins
 import faulthandler
 import functools
+import gc
 import importlib.util
 import json
 import math
@@ -26,11 +27,11 @@ import time
 import traceback
 from pathlib import Path
 
-# Per-rank values that reveal which variable a script passed where (rank or local_rank...)
 # The modules of the check's fork server when it forked this rank (selfcheck/runs.py sets it):
 # the torch modules a rank imports beyond them are written down, as each costs every rank its
 # import time again (selfcheck/preload.py should have them).
 MODULES_AT_FORK: frozenset | None = None
+# Per-rank values that reveal which variable a script passed where (rank or local_rank...)
 WATCHED_LOCALS = ("rank", "local_rank", "world_size", "dp_rank", "dp_size", "stage_index",
                   "num_stages")
 
@@ -515,6 +516,7 @@ class Probe:
         if MODULES_AT_FORK is not None:
             record["torch_imported_after_fork"] = sorted(
                 m for m in set(sys.modules) - MODULES_AT_FORK if m.split(".")[0] == "torch")
+            record["gc_frozen_objects"] = gc.get_freeze_count()  # preload.py's gc.freeze()
         (self.dump_dir / f"rank{self.rank}.json").write_text(json.dumps(record, default=str))
         if record["error"]:
             sys.stdout.flush()

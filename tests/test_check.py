@@ -70,13 +70,16 @@ def test_the_solution_is_all_good(tmp_path, step, check_cache):
     assert not flagged
     lines = [l for l in text.splitlines() if re.match(r"^  ok +TODO \d+", l)]
     assert len(lines) == len(step_module(step).TODOS), "one ok line per TODO\n" + text
-    # and no rank imported a torch module its fork server had not imported (each would cost
-    # every rank of every check its import time: selfcheck/preload.py)
+    # and no rank imported a torch module its fork server had not imported, or walked torch's
+    # objects in its garbage collections (each would cost every rank of every check its time:
+    # selfcheck/preload.py)
     dumps = list((check_cache / "last" / step).glob("*/dump/rank*.json"))
     assert dumps or not getattr(step_module(step), "NEEDS_TORCH", True), "no rank's record"
     for dump in dumps:
-        imported = json.loads(dump.read_text()).get("torch_imported_after_fork")
+        record = json.loads(dump.read_text())
+        imported = record.get("torch_imported_after_fork")
         assert imported == [], f"{dump}: {imported}"
+        assert record.get("gc_frozen_objects", 0) > 0, f"{dump}: the fork server froze nothing"
 
 
 @pytest.mark.parametrize("step, rel, what, todo, replacements", MISTAKES,

@@ -183,6 +183,18 @@ def test_interleaved_1f1b_keeps_what_its_order_runs_on_both_stages_of_a_rank(run
     assert_matches_formula(summary, layouts, BATCH * SEQ // 4)
 
 
+@pytest.mark.slow
+def test_zero_bubble_with_two_stages_per_rank_keeps_a_little_more_than_its_order_says(runs):
+    """With several stages per rank torch's zero-bubble keeps parts of a graph past its W on
+    every stage, not only the last: the formula (the order's F-to-W lifetimes) is then a lower
+    bound, measured 7-13 % short on 2 ranks. docs/pp.md says so; if torch frees earlier one day,
+    this fails and the docs can say the formula is exact."""
+    memory = runs["nd_zero_bubble_interleaved"][0]["memory"]
+    for measured, formula in zip(memory["activations"], memory["formula"]["activations"],
+                                 strict=True):
+        assert formula < measured < 1.2 * formula
+
+
 def test_one_process_measures_exactly_what_the_formula_counts():
     """No sharding, fp32: parameters and gradients to the byte, the rest within step counters
     and positions."""
@@ -310,14 +322,3 @@ def test_the_planner_refuses_degrees_that_do_not_divide_the_gpus():
         planner().main(["--params", "7e9", "--gpus", "6", "--tp", "4"])
     assert "--gpus 6 must be a multiple of --tp 4" in str(stop.value.code)
 
-
-@pytest.mark.slow
-def test_zero_bubble_with_two_stages_per_rank_keeps_a_little_more_than_its_order_says(runs):
-    """With several stages per rank torch's zero-bubble keeps parts of a graph past its W on
-    every stage, not only the last: the formula (the order's F-to-W lifetimes) is then a lower
-    bound, measured 7-13 % short on 2 ranks. docs/pp.md says so; if torch frees earlier one day,
-    this fails and the docs can say the formula is exact."""
-    memory = runs["nd_zero_bubble_interleaved"][0]["memory"]
-    for measured, formula in zip(memory["activations"], memory["formula"]["activations"],
-                                 strict=True):
-        assert formula < measured < 1.2 * formula
