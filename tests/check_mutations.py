@@ -134,6 +134,15 @@ MISTAKES = [
     ("sbatch", SBATCH, "a fixed rendezvous id", 15,
      [('--rdzv_id="$SLURM_JOB_ID"', "--rdzv_id=course")]),
     ("sbatch", SBATCH, "--nnodes=1", 15, [('--nnodes="$SLURM_JOB_NUM_NODES"', "--nnodes=1")]),
+    ("sbatch", SBATCH, "the port is 20000 + the whole job id", 14,
+     [("$((20000 + SLURM_JOB_ID % 10000))", "$((20000 + SLURM_JOB_ID))")]),
+    ("sbatch", SBATCH, "the endpoint without the port", 14,
+     [('--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_endpoint="$MASTER_ADDR"')]),
+    ("sbatch", SBATCH, "srun without --cpus-per-task", 15,
+     [('srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" bash',
+       "srun --kill-on-bad-exit=1 bash")]),
+    ("sbatch", SBATCH, "--nproc_per_node=4 written out", 15,
+     [('--nproc_per_node="$NPROC_PER_NODE"', "--nproc_per_node=4")]),
     ("sbatch", SBATCH, "one node", 16, [("#SBATCH --nodes=2", "#SBATCH --nodes=1")]),
     ("sbatch", SBATCH, "four nodes", 16, [("#SBATCH --nodes=2", "#SBATCH --nodes=4")]),
     # ---- FSDP --------------------------------------------------------------------------
@@ -696,6 +705,9 @@ MESSAGES = {
     "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
     "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+    "the port is 20000 + the whole job id": ("outside 1024-65535", "% 10000"),
+    "srun without --cpus-per-task": ('--cpus-per-task="$SLURM_CPUS_PER_TASK"',),
+    "--nproc_per_node=4 written out": ("NPROC_PER_NODE=2", '--nproc_per_node="$NPROC_PER_NODE"'),
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -724,6 +736,9 @@ CORRECT = [
        "    import torch.distributed as dist\n    dist.barrier()\n    dist.destroy_process_group()\n")]),
     ("sbatch", SBATCH, "CUDA_VISIBLE_DEVICES left to Slurm", [("export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n", "")]),
     ("sbatch", SBATCH, "the nodes given as -N", [("#SBATCH --nodes=2", "#SBATCH -N 2")]),
+    ("sbatch", SBATCH, "srun's CPUs from SRUN_CPUS_PER_TASK",
+     [('srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" bash',
+       'export SRUN_CPUS_PER_TASK=$SLURM_CPUS_PER_TASK\nsrun --kill-on-bad-exit=1 bash')]),
     ("sbatch", SBATCH, "torchrun's dashed options",
      [("--nproc_per_node=", "--nproc-per-node="), ("--rdzv_backend=", "--rdzv-backend="),
       ("--rdzv_id=", "--rdzv-id="), ("--rdzv_endpoint=", "--rdzv-endpoint="),
