@@ -91,7 +91,8 @@ if name == "srun":
     if per_node is None:
         per_node = (int(total) // n_nodes if total else
                     int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
-    log(options=words, tasks_per_node=int(per_node), nodes=n_nodes)
+    log(options=words, tasks_per_node=int(per_node), nodes=n_nodes,
+        srun_cpus_per_task=env.get("SRUN_CPUS_PER_TASK"))  # srun's own variable for -c
     status = 0
     for node in range(n_nodes):
         for local in range(int(per_node)):
@@ -231,7 +232,7 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
     per_node = directives.get("--ntasks-per-node") or (
         str(int(directives["--ntasks"]) // n_nodes) if directives.get("--ntasks") else "1")
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "SBATCH_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE",
+           if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE",
                                 "SCRIPT", "OUT_DIR", "NSYS", "TORCHELASTIC_", "VENV",
                                 "SITE"))}  # (an exported SITE=lumi would load LUMI's modules)
     log = d / "launches.jsonl"

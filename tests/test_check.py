@@ -141,6 +141,14 @@ def test_the_dry_run_warns_about_a_torchrun_that_gets_no_process_count(tmp_path)
                      r"\$SLURM_GPUS_PER_NODE is not set", text, re.M), text
 
 
+def test_an_endpoint_without_a_port_is_the_port_todo_alone(tmp_path):
+    """The address in --rdzv_endpoint=10.10.0.1 is right: only TODO 14's port is missing."""
+    code, text, flagged = run_check("sbatch", copy_of(
+        tmp_path, "to_distributed_training.sbatch",
+        ('--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_endpoint="$MASTER_ADDR"')))
+    assert code == 1 and set(flagged) == {14}, text
+
+
 def test_every_todo_has_at_least_two_mistakes_in_this_suite():
     counts = {}
     for _step, _, _, todo, _ in MISTAKES:
@@ -177,11 +185,12 @@ def partly_done(source: str, done: set) -> str:
 
 @pytest.mark.parametrize("step, done", [("ddp", {1, 2, 3, 4, 5, 6}), ("ddp", {1, 2, 3, 4, 5}),
                                         ("fsdp", {17, 18, 19}), ("tp", {23, 24, 25, 26}),
-                                        ("perf", {41, 42}), ("perf", {41, 42, 43})])
+                                        ("perf", {41, 42}), ("perf", {41, 42, 43}),
+                                        ("sbatch", {12, 13, 14})])
 def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path, step, done):
     rel = step_module(step).FILE
     path = tmp_path / rel
-    path.parent.mkdir(parents=True)
+    path.parent.mkdir(parents=True, exist_ok=True)  # (a job file lies in tmp_path itself)
     path.write_text(partly_done((ROOT / "course" / rel).read_text(), done))
     code, text, flagged = run_check(step, path)
     assert code == 1

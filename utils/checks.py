@@ -101,8 +101,14 @@ def stop_if_a_loss_was_not_finite() -> None:
 
 
 def _diverged(what: str, value: float, step: int) -> None:
+    rank = _rank()
+    if rank != 0:
+        # rank 0 says why for all; a rank whose value is its own (the loss not all-reduced, or
+        # a validation loss computed on rank 0 only) may stop alone, and must not stop silently
+        print(f"error: rank {rank}: the {what} is {value} at step {step}", file=sys.stderr,
+              flush=True)
     _stop(f"the {what} is {value} at step {step}: training diverged; stopping before "
-          "anything is saved over earlier files: lower --lr", _rank() == 0)
+          "anything is saved over earlier files: lower --lr", rank == 0)
 
 
 def check_writable(folder: str | os.PathLike, flag: str = "--out-dir") -> None:

@@ -362,23 +362,26 @@ def check_new_order(ctx, run, todo_epoch, todo_sampler):
 
 
 def check_eval_reads(ctx, run, todo, replicas, replica_of, made_is_attempt=True,
-                     todo_loader=None):
-    """Validation reads every sample exactly once per replica (DistributedEvalSampler)."""
+                     todo_loader=None, split=1):
+    """Evaluation reads every sample exactly once per replica (DistributedEvalSampler).
+    split: the dataset checked, 1 validation or 2 test (the order the script builds them)."""
     rep = ctx.report
     records = run.ranks
-    if len(records[0].get("datasets", [])) < 2:
+    name, var = {1: ("validation", "val"), 2: ("test", "test")}[split]
+    if len(records[0].get("datasets", [])) <= split:
         return
-    n_val = records[0]["datasets"][1]["len"]
-    passes = [epoch_passes(r, 1) for r in records]
+    n_val = records[0]["datasets"][split]["len"]
+    passes = [epoch_passes(r, split) for r in records]
     if not all(passes):
         return
     if made_is_attempt and any(sampler_records(r, "DistributedEvalSampler") for r in records):
         rep.attempt(todo)
-    val_loaders = [l for l in records[0].get("loaders", []) if l["dataset"] == 1]
-    eval_samplers = [s for s in sampler_records(records[0]) if s["dataset"] == 1]
+    val_loaders = [l for l in records[0].get("loaders", []) if l["dataset"] == split]
+    eval_samplers = [s for s in sampler_records(records[0]) if s["dataset"] == split]
     if eval_samplers and val_loaders and all(l["sampler"] is None for l in val_loaders):
-        rep.fail(todo_loader or todo, "the validation sampler is made but its DataLoader does not "
-                 "get it: DataLoader(val_ds, sampler=val_sampler, ...), the same for test")
+        rep.fail(todo_loader or todo, f"the {name} sampler is made but its DataLoader does not "
+                 f"get it: DataLoader({var}_ds, sampler={var}_sampler, ...)"
+                 + (", the same for test" if split == 1 else ""))
         return False
     groups: dict[int, list] = {}
     for rank, p in enumerate(passes):
@@ -389,12 +392,18 @@ def check_eval_reads(ctx, run, todo, replicas, replica_of, made_is_attempt=True,
         return
     real = [i for group in groups.values() for i in group[0] if i < n_val]
     if sorted(real) == list(range(n_val)):
-        rep.ok(todo, "evaluation reads every validation sample exactly once")
+        rep.ok(todo, f"evaluation reads every {name} sample exactly once")
         return True
     twice = len(real) - len(set(real))
-    text = (f"evaluation reads {twice} validation samples twice" if twice
-            else f"evaluation reads {len(set(real))} of the {n_val} validation samples")
-    kinds = {s["kind"] for r in records for s in sampler_records(r) if s["dataset"] == 1}
+    text = (f"evaluation reads {twice} {name} samples twice" if twice
+            else f"evaluation reads {len(set(real))} of the {n_val} {name} samples")
+    kinds = {s["kind"] for r in records for s in sampler_records(r) if s["dataset"] == split}
+    if not twice and any(l["drop_last"] for l in val_loaders):
+        # the sampler hands out every sample; the DataLoader drops the last, partial batch
+        rep.fail(todo_loader or todo, f"{text}: its DataLoader has drop_last=True and drops the "
+                 "last batch; drop_last=True belongs to the training DataLoader alone (not in "
+                 "loader_args, which all loaders share)")
+        return False
     hint = ("DistributedSampler pads by repeating samples: use DistributedEvalSampler(val_ds, "
             "num_replicas, rank) for validation and test" if "DistributedSampler" in kinds else
             "val_sampler = DistributedEvalSampler(val_ds, num_replicas, rank), the same for "

@@ -21,6 +21,12 @@ NEEDS_TORCH = False  # bash and the stand-ins for Slurm only
 TODOS = {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node", 16: "two nodes"}
 GPUS_PER_NODE = 4
 SCRIPT = "train/to_distributed_training.py"
+# Job ids as large as real ones (JSC's have 8 digits): a port computed from the id must stay
+# below 65536 for them too
+JOB_IDS = ("13377421", "13377422")
+# What a CPU-only node's job sets (the TODO's "a number runs on CPU-only nodes"): the one-node
+# run gets it, so a torchrun that ignores it shows
+NPROC_SET = "2"
 
 
 def show(script, work) -> list[str]:
@@ -71,8 +77,9 @@ def check(ctx) -> None:
                  "it starts on every node)")
         slurm.judge_job_file(rep, ctx.script.name, ctx.script, ctx.work)
         return
-    two = slurm.submit(ctx.script, ctx.work, nodes=2, job_id="4242")
-    one = slurm.submit(ctx.script, ctx.work, nodes=1, job_id="4243", dns=False)
+    two = slurm.submit(ctx.script, ctx.work, nodes=2, job_id=JOB_IDS[0])
+    one = slurm.submit(ctx.script, ctx.work, nodes=1, job_id=JOB_IDS[1], dns=False,
+                       env_extra={"NPROC_PER_NODE": NPROC_SET})
     directives = two.directives
     nodes = int(str(directives.get("--nodes", "1")).split("-")[0] or 1)
     gpus = slurm.gpus_of(directives)
@@ -94,13 +101,36 @@ def check(ctx) -> None:
     if not torchruns:
         rep.fail(15, "srun still starts python itself (one process per node, 1 of "
                  f"{GPUS_PER_NODE} GPUs busy): srun ... bash -c 'exec torchrun ...' (see the TODO)")
-        rep.fail(13, "needs TODO 15's torchrun first") if rep.status.get(13) == "edited" else None
+        # only TODO 15's torchrun reads their variables: a done TODO is not yet a wrong one
+        for todo, name in ((13, "MASTER_ADDR"), (14, "MASTER_PORT")):
+            if rep.status.get(todo) == "edited":
+                rep.waits(todo, f"{name} is checked once TODO 15's torchrun uses it")
         check_visible(ctx, two)
         return
     rep.attempt(15)
-    check_geometry(ctx, two)
+    check_geometry(ctx, two, one)
+    check_srun_cpus(ctx, two)
     check_rendezvous(ctx, two, one)
     check_visible(ctx, two)
+
+
+def check_srun_cpus(ctx, job) -> None:
+    """srun hands the job's CPUs on to its tasks: since Slurm 22.05 it no longer takes
+    --cpus-per-task from sbatch, so without it every task (a torchrun and all its processes,
+    their data-loader workers too) gets one core."""
+    cpus = job.directives.get("--cpus-per-task")
+    if not cpus or cpus == "1" or ctx.report.failed(15):
+        return
+    for e in job.of("srun"):
+        words = e.get("options", [])
+        given = any(w in ("-c", "--cpus-per-task") or w.startswith("--cpus-per-task=")
+                    for w in words) or e.get("srun_cpus_per_task")
+        if not given:
+            ctx.report.fail(15, f"srun gets no --cpus-per-task: Slurm 22.05 and later do not "
+                            f"pass the job's {cpus} CPUs per task on to srun, so torchrun and "
+                            "all its processes share one core: srun --kill-on-bad-exit=1 "
+                            "--cpus-per-task=\"$SLURM_CPUS_PER_TASK\" bash -c ...")
+            return
 
 
 def check_visible(ctx, job) -> None:
@@ -128,8 +158,9 @@ def arg(words, name):
     return None
 
 
-def check_geometry(ctx, job) -> None:
-    """One torchrun per node, as many processes per node as GPUs, every node in the job."""
+def check_geometry(ctx, job, one) -> None:
+    """One torchrun per node, as many processes per node as GPUs, every node in the job; the
+    one-node job, which sets NPROC_PER_NODE, gets that many."""
     rep = ctx.report
     per_node: dict[int, list] = {}
     for e in job.of("torchrun"):
@@ -166,10 +197,22 @@ def check_geometry(ctx, job) -> None:
         elif script_args[-2:] != ["--epochs", "1"]:
             problems.append("the job's own arguments (sbatch FILE --epochs 1) do not reach the "
                             "script: end with \"$SCRIPT\" \"${ARGS[@]}\"")
+    one_runs = one.of("torchrun")
+    if not problems and one_runs and one_runs[0].get("processes") != int(NPROC_SET):
+        problems.append(f"with NPROC_PER_NODE={NPROC_SET} set (a CPU-only node) torchrun still "
+                        f"starts {one_runs[0].get('processes')} process(es) (--nproc_per_node="
+                        f"{arg(one_runs[0]['args'], '--nproc_per_node')}): export NPROC_PER_NODE="
+                        "${NPROC_PER_NODE:-gpu}, then --nproc_per_node=\"$NPROC_PER_NODE\"")
     if problems:
         rep.fail(15, problems[0])
     else:
         rep.ok(15, f"one torchrun on each of the {n_nodes} nodes, {GPUS_PER_NODE} processes each")
+
+
+def split_endpoint(endpoint: str) -> tuple[str, str]:
+    """(host, port) of host:port; a host alone has no port (not an empty host)."""
+    host, colon, port = endpoint.rpartition(":")
+    return (host, port) if colon else (endpoint, "")
 
 
 def check_rendezvous(ctx, two, one) -> None:
@@ -182,8 +225,8 @@ def check_rendezvous(ctx, two, one) -> None:
     hosts = [arg(e["args"], "--rdzv_conf") or "" for e in runs]
     if backend != "c10d":
         rep.fail(15, f"--rdzv_backend={backend}: the nodes meet through --rdzv_backend=c10d")
-    elif rdzv_id != {"4242"}:
-        rep.fail(15, f"--rdzv_id is {', '.join(sorted(map(str, rdzv_id)))} for job 4242: "
+    elif rdzv_id != {JOB_IDS[0]}:
+        rep.fail(15, f"--rdzv_id is {', '.join(sorted(map(str, rdzv_id)))} for job {JOB_IDS[0]}: "
                  "--rdzv_id=\"$SLURM_JOB_ID\", the same on every node and new for every job")
     elif len(endpoints) > 1:
         rep.fail(13, f"the nodes look for the rendezvous at different addresses "
@@ -195,7 +238,7 @@ def check_rendezvous(ctx, two, one) -> None:
                  "the bash -c command, so each node computes its own)")
     endpoint = next(iter(endpoints)) or ""
     env0 = runs[0].get("env", {})
-    host, _, port = endpoint.rpartition(":")
+    host, port = split_endpoint(endpoint)
     if len(endpoints) == 1:
         if host == "10.10.0.1":
             rep.ok(13, "the rendezvous is the InfiniBand address of the first node")
@@ -211,20 +254,21 @@ def check_rendezvous(ctx, two, one) -> None:
                      "| sed -n 1p), then nslookup \"${MASTER_ADDR}i\"")
     one_runs = one.of("torchrun")
     one_end = arg(one_runs[0]["args"], "--rdzv_endpoint") if one_runs else None
-    if one_end and one_end.rpartition(":")[0] == one.nodes[0]:
+    if one_end and split_endpoint(one_end)[0] == one.nodes[0]:
         if not rep.failed(13):
             rep.ok(13, "without an InfiniBand name the plain host name is used")
     elif one_runs:
         rep.fail(13, f"on a node without an <node>i name the endpoint is {one_end}: keep the "
                  "plain host name then, if [ -n \"$IB_ADDR\" ]; then MASTER_ADDR=$IB_ADDR; fi")
-    port1 = (one_end or "").rpartition(":")[2]
+    port1 = split_endpoint(one_end or "")[1]
     if not port.isdigit():
         rep.fail(14, f"no port in the rendezvous endpoint ({endpoint or 'none'}): "
                  "--rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\"")
     elif not 1024 <= int(port) < 65536:
-        rep.fail(14, f"port {port} is outside 1024-65535")
+        rep.fail(14, f"port {port} for job {JOB_IDS[0]} is outside 1024-65535 (job ids have 8 "
+                 "digits): keep it in a free range, MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))")
     elif port == port1:
-        rep.fail(14, f"jobs 4242 and 4243 both use port {port}: two jobs on one node would "
+        rep.fail(14, f"jobs {JOB_IDS[0]} and {JOB_IDS[1]} both use port {port}: two jobs on one node would "
                  "collide; derive it from the job id, MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))")
     elif env0.get("MASTER_PORT") not in (None, port):
         rep.fail(14, f"MASTER_PORT={env0.get('MASTER_PORT')} but the endpoint uses {port}")
