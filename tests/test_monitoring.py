@@ -8,6 +8,7 @@ script is parallel, and the single-process runs their gradient norms must equal.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import re
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -284,6 +286,20 @@ def test_the_eta_is_within_a_quarter_of_the_real_remaining_time_for_a_steady_ste
                 pass
     remaining = time.perf_counter() - reported_at
     assert abs(eta - remaining) <= 0.25 * remaining, (eta, remaining)
+
+
+def test_a_closed_monitor_lets_the_model_and_optimizer_go():
+    """The DDP step's last TODO deletes the model and the optimizer before leaving the process
+    group, so that DDP's buffers are freed while the group exists: the monitor must not keep
+    them alive after close()."""
+    model, optimizer, _, monitor, _ = monitored(model=torch.nn.Linear(4, 4))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    gone_model, gone_optimizer = weakref.ref(model), weakref.ref(optimizer)
+    monitor.close()
+    del model, optimizer
+    gc.collect()
+    assert gone_model() is None and gone_optimizer() is None
 
 
 def test_the_eta_counts_evaluations_once_they_have_happened(monkeypatch):

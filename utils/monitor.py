@@ -337,3 +337,8 @@ class TrainingMonitor:
         if summary is not None:
             self.logger.finish(final_results(summary), summary["steps"])
         self.logger.close()
+        # let go of the model and the optimizer, so that a script's `del model, optimizer` frees
+        # them (DDP's buffers while its process group still exists: the DDP step's last TODO)
+        if self.step_hook is not None:  # (no optimizer step was taken)
+            self.step_hook.remove()
+        self.model = self.optimizer = self.grad_norm = self.activations = None
