@@ -936,7 +936,10 @@ def collectives_lesson(probe, module) -> None:
             result = setup(*a, **k)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 lesson["ring"] = {}  # filled part by part: a crash keeps what came before
-                lesson_ring(module, lesson["ring"])
+                # and written part by part too: gloo's abort of a rank loses its record
+                progress = probe.dump_dir / f"ring{probe.rank}.json"
+                lesson_ring(module, lesson["ring"],
+                            lambda: progress.write_text(json.dumps(lesson["ring"])))
             return result
         module.setup = setup_then_ring
 
@@ -946,14 +949,20 @@ def lesson_value(rank, i):
     return (rank + 1) * 10 + i % 7
 
 
-def lesson_ring(module, out: dict) -> None:
+def lesson_ring(module, out: dict, save=lambda: None) -> None:
     import torch
     import torch.distributed as dist
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     out.update(rank=rank, world_size=n)
 
+    # the steps each part makes: a rank that makes fewer than the others goes on while they
+    # still wait for its message, and the error surfaces in a later part
+    steps = out["steps"] = {}
+
     def correct_exchange(send, recv):
+        part = out.get("running", "other")
+        steps[part] = steps.get(part, 0) + 1
         for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),
                                                dist.P2POp(dist.irecv, recv, left)]):
             request.wait()
@@ -981,7 +990,10 @@ def lesson_ring(module, out: dict) -> None:
         if callable(getattr(module, "ring_reduce_scatter", None)):
             x = lesson_value(rank, i).float()
             chunks = list(x.tensor_split(n))
+            out["running"] = "reduce_scatter"
             module.ring_reduce_scatter(chunks)
+            del out["running"]
+            save()
             out["reduce_scatter"] = {
                 "complete": complete(x.tensor_split(n)),
                 "complete_in_list": complete(chunks) if len(chunks) == n else [],
@@ -992,7 +1004,10 @@ def lesson_ring(module, out: dict) -> None:
             x = torch.full((length,), -1.0)
             mine = (rank + 1) % n
             x.tensor_split(n)[mine].copy_(total.tensor_split(n)[mine])
+            out["running"] = "all_gather"
             module.ring_all_gather(list(x.tensor_split(n)))
+            del out["running"]
+            save()
             out["all_gather"] = {"complete": complete(x.tensor_split(n)),
                                  "wrong": int((x != total).sum())}
     finally:
