@@ -408,6 +408,35 @@ class Probe:
         wrap(ZeroRedundancyOptimizer, "__init__", after=optimizer_built)
         wrap(torch.optim.AdamW, "__init__", after=optimizer_built)
 
+        # -- optimizer.step() and zero_grad() against backward(): a step per micro-batch, or a
+        # zero_grad() that throws away the gradients of earlier micro-batches (the memory step's
+        # accumulation). ZeroRedundancyOptimizer's step runs its AdamW's: counted once.
+        counted = record["optimizer_calls"] = {"steps": 0, "discarding_zero_grads": 0}
+        since = {"backwards": 0, "depth": 0}
+
+        def step_pre(optimizer, *a):
+            since["depth"] += 1
+            if since["depth"] == 1:
+                counted["steps"] += 1
+                since["backwards"] = 0
+
+        def step_post(optimizer, *a):
+            since["depth"] -= 1
+
+        def backward_(*a, **k):
+            since["backwards"] += 1
+
+        def zero_grad_(self, *a, **k):
+            if since["backwards"] and not since["depth"]:
+                counted["discarding_zero_grads"] += 1
+            since["backwards"] = 0
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        register_optimizer_step_pre_hook(step_pre)
+        register_optimizer_step_post_hook(step_post)
+        wrap(torch.Tensor, "backward", before=backward_)
+        wrap(torch.optim.Optimizer, "zero_grad", before=zero_grad_)
+
         # -- the performance step: what AdamW and torch.compile were asked for
         def adamw_init(self, *a, **k):
             record["adamw"].append(sorted(k))

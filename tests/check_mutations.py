@@ -681,6 +681,13 @@ MISTAKES = [
     ("memory", MEM, "DDP's no_sync() called on every layout (FSDP2 has none)", 58,
      [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
        "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("memory", MEM, "optimizer.step() every micro-batch", 58,
+     [("            if not last:\n                continue\n            optimizer.step()\n",
+       "            optimizer.step()\n            if not last:\n                continue\n")]),
+    ("memory", MEM, "zero_grad every micro-batch", 58,
+     [("            if micro % args.grad_accum == 0:  # a new optimizer step begins\n"
+       "                optimizer.zero_grad(set_to_none=True)\n",
+       "            optimizer.zero_grad(set_to_none=True)\n")]),
     ("memory", MEM, "divided by the micro-batches only under DDP", 58,
      [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
        "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
@@ -702,6 +709,8 @@ MESSAGES = {
     "the send's request never waited for": ("never waits for the request", "wait()"),
     "the receive buffer sized like the chunk sent": ("bytes arrived in a buffer",),
     "a line through the first and the last point": ("least squares",),
+    "optimizer.step() every micro-batch": ("optimizer.step() ran", "once per micro-batch"),
+    "zero_grad every micro-batch": ("zero_grad() ran between the micro-batches",),
     "the receive buffer float32 for float64 chunks": ("dtype", "torch.empty_like(chunks[into])"),
     "rank 0 makes one all-gather step fewer": ("rank 0 made 1", "range(n - 1)"),
     "the latency returned in milliseconds": ("milliseconds: return seconds",),

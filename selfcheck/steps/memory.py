@@ -355,6 +355,18 @@ def check_accumulation(ctx, key, run, ref, runs) -> None:
     rep = ctx.report
     layout = key[0]
     steps = run.summary["steps"] or 1
+    calls = run.ranks[0].get("optimizer_calls") or {}
+    if calls.get("steps", 0) > steps:
+        fail(rep, ACCUMULATION, f"with {flags(key)} optimizer.step() ran {calls['steps']} times "
+             f"in {steps} steps, once per micro-batch: step once per optimizer step, after the "
+             "last micro-batch (after `if not last: continue`)")
+        return
+    if calls.get("discarding_zero_grads"):
+        fail(rep, ACCUMULATION, f"with {flags(key)} optimizer.zero_grad() ran between the "
+             f"micro-batches of a step ({calls['discarding_zero_grads']} times), throwing away "
+             "the gradients added up so far: zero_grad once per optimizer step, before its "
+             "first micro-batch (if micro % args.grad_accum == 0)")
+        return
     if layout in ("ddp", "zero1"):
         per_step = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
         counted = run.ranks[0].get("allreduces")
