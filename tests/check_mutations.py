@@ -641,6 +641,8 @@ MISTAKES = [
     ("memory", MEM, "offload's host memory never pinned on a GPU", 56,
      [("CPUOffloadPolicy(pin_memory=torch.cuda.is_available())",
        "CPUOffloadPolicy(pin_memory=False)")]),
+    ("memory", MEM, "offload pins host memory on a machine without a GPU too", 56,
+     [("CPUOffloadPolicy(pin_memory=torch.cuda.is_available())", "CPUOffloadPolicy()")]),
     ("memory", MEM, "ZeroRedundancyOptimizer of SGD", 57,
      [("optimizer_class=torch.optim.AdamW,\n", "optimizer_class=torch.optim.SGD,\n")]),
     ("memory", MEM, "zero1 left with a plain AdamW", 57,
@@ -709,6 +711,8 @@ MESSAGES = {
     "the send's request never waited for": ("never waits for the request", "wait()"),
     "the receive buffer sized like the chunk sent": ("bytes arrived in a buffer",),
     "a line through the first and the last point": ("least squares",),
+    "offload pins host memory on a machine without a GPU too": (
+        "pin_memory=torch.cuda.is_available()",),
     "optimizer.step() every micro-batch": ("optimizer.step() ran", "once per micro-batch"),
     "zero_grad every micro-batch": ("zero_grad() ran between the micro-batches",),
     "the receive buffer float32 for float64 chunks": ("dtype", "torch.empty_like(chunks[into])"),
