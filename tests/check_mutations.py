@@ -690,6 +690,10 @@ MISTAKES = [
      [("            if micro % args.grad_accum == 0:  # a new optimizer step begins\n"
        "                optimizer.zero_grad(set_to_none=True)\n",
        "            optimizer.zero_grad(set_to_none=True)\n")]),
+    ("memory", MEM, "no_sync on rank 0 only", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last or torch.distributed.get_rank() else "
+       "no_gradient_sync(model):")]),
     ("memory", MEM, "divided by the micro-batches only under DDP", 58,
      [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
        "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
@@ -713,6 +717,7 @@ MESSAGES = {
     "a line through the first and the last point": ("least squares",),
     "offload pins host memory on a machine without a GPU too": (
         "pin_memory=torch.cuda.is_available()",),
+    "no_sync on rank 0 only": ("same micro-batches on every rank",),
     "optimizer.step() every micro-batch": ("optimizer.step() ran", "once per micro-batch"),
     "zero_grad every micro-batch": ("zero_grad() ran between the micro-batches",),
     "the receive buffer float32 for float64 chunks": ("dtype", "torch.empty_like(chunks[into])"),

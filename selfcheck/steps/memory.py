@@ -78,7 +78,7 @@ def check(ctx) -> None:
     finished = {}
     for key, run in runs.items():
         if run.crashed:
-            report_run_crash(ctx, key, run)
+            report_run_crash(ctx, key, run, runs)
         elif run.summary and run.summary["args"].get("layout") == key[0]:
             finished[key] = run
     # what each run built and measured first: where it breaks a promise, that is the cause of
@@ -90,7 +90,7 @@ def check(ctx) -> None:
 
 
 # ------------------------------------------------------------------------------ crashes
-def report_run_crash(ctx, key, run) -> None:
+def report_run_crash(ctx, key, run, runs) -> None:
     """The first crash of each TODO, with the options of the run it happened in."""
     rep = ctx.report
     layout, accum, ckpt = key
@@ -99,6 +99,14 @@ def report_run_crash(ctx, key, run) -> None:
     default = (CHECKPOINTING if "apply_activation_checkpointing" in message or ckpt and not
                LAYOUT_TODO[layout] else LAYOUT_TODO[layout] or ACCUMULATION)
     cause, todo = None, None
+    # ranks that disagree on their collectives only where micro-batches are accumulated: the
+    # ranks skip different all-reduces (no_gradient_sync on some ranks, or some micro-batches)
+    mismatch = f is not None and (f.kind in ("hung", "timeout") or f.peer
+                                  or "collective mismatch" in message)
+    if accum > 1 and mismatch and all(not r.crashed for k, r in runs.items() if k[1] == 1):
+        default = ACCUMULATION
+        cause = ("every rank must make the same all-reduces: no_gradient_sync(model) around the "
+                 "same micro-batches on every rank, all but the last of each step")
     if "no_sync" in message and layout in ("zero2", "zero3", "offload"):
         cause = ("FSDP2's modules have no no_sync(): no_gradient_sync(model) calls DDP's "
                  "no_sync() or FSDP2's set_requires_gradient_sync(False), whichever the model is")
