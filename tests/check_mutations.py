@@ -694,6 +694,9 @@ MISTAKES = [
      [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
        "with contextlib.nullcontext() if last or torch.distributed.get_rank() else "
        "no_gradient_sync(model):")]),
+    ("memory", MEM, "the loss divided by the micro-batches and by the ranks", 58,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (args.grad_accum * world_size)")]),
     ("memory", MEM, "divided by the micro-batches only under DDP", 58,
      [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
        "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
@@ -717,6 +720,8 @@ MESSAGES = {
     "a line through the first and the last point": ("least squares",),
     "offload pins host memory on a machine without a GPU too": (
         "pin_memory=torch.cuda.is_available()",),
+    "the loss divided by the micro-batches and by the ranks": ("in every run", "0.5 x",
+                                                                "args.grad_accum only"),
     "no_sync on rank 0 only": ("same micro-batches on every rank",),
     "optimizer.step() every micro-batch": ("optimizer.step() ran", "once per micro-batch"),
     "zero_grad every micro-batch": ("zero_grad() ran between the micro-batches",),

@@ -185,10 +185,33 @@ def feature_todo(feature: str) -> int:
     return {"accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}[feature]
 
 
+def scaled_everywhere(ctx, trained: dict, runs: dict, ref) -> bool:
+    """Every run, with accumulation or without, logs the same multiple of the single process's
+    loss: the loss itself is scaled (by the ranks, say), not any one option's work. True if
+    reported (once, under the TODO that divides the loss)."""
+    theirs = ref.summary["loss_history"]
+    if not trained or any(good is True for good in trained.values()) or not theirs:
+        return False
+    ratios = [runs[k].summary["loss_history"][0] / theirs[0] for k in trained
+              if runs[k].summary["loss_history"]]
+    if len(ratios) < len(trained) or not all(near(r, ratios[0], 0.01) for r in ratios) or \
+            near(ratios[0], 1.0, 0.01):
+        return False
+    ratio, world = ratios[0], next(iter(runs.values())).geometry.world
+    why = (f"; DDP and FSDP average the gradients over the {world} ranks themselves"
+           if near(ratio, 1 / world, 0.01) else "")
+    fail(ctx.report, ACCUMULATION, f"in every run, with accumulation or without, the loss is "
+         f"{ratio:.3g} x the single process's from step 1 on: divide each micro-batch's loss by "
+         f"args.grad_accum only{why}")
+    return True
+
+
 def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
     """A run that trains differently: its TODO is that of an option no run that trains right
     uses (with accumulation 2, a loss twice the whole batch's is the undivided loss)."""
     rep = ctx.report
+    if scaled_everywhere(ctx, trained, runs, ref):
+        return
     cleared = {f for key, good in trained.items() if good is True for f in features(key)}
     for key, what in trained.items():
         if what is True:
