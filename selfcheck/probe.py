@@ -660,6 +660,10 @@ class Probe:
         record["meshes_used"] = describe_meshes(m)
         record["layers"] = sorted(int(k) for k in m.layers)
         record["block_types"] = [type(b).__name__ for b in m.layers.values()]
+        # checkpoint_wrapper's checkpoint_impl (the memory step: the reentrant one keeps more)
+        record["checkpoint_impls"] = sorted({impl.name for b in m.layers.values()
+                                             if (impl := getattr(b, "checkpoint_impl", None))
+                                             is not None and hasattr(impl, "name")})
         record["parts"] = {name: getattr(m, name, None) is not None
                            for name in ("tok_emb", "pos_emb", "norm", "output")}
 

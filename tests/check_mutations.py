@@ -615,6 +615,11 @@ MISTAKES = [
     ("memory", MEM, "only the first block checkpointed", 55,
      [("    for name in list(model.layers):\n",
        "    for name in list(model.layers)[:1]:\n")]),
+    ("memory", MEM, "the reentrant checkpointing", 55,
+     [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name], "
+       "checkpoint_impl=CheckpointImpl.REENTRANT)"),
+      ("import checkpoint_wrapper\n", "import CheckpointImpl, checkpoint_wrapper\n")]),
     ("memory", MEM, "zero2 reshards after forward too", 56,
      [('options = dict(reshard_after_forward=layout != "zero2")',
        "options = dict(reshard_after_forward=True)")]),
@@ -722,6 +727,7 @@ MESSAGES = {
         "pin_memory=torch.cuda.is_available()",),
     "the loss divided by the micro-batches and by the ranks": ("in every run", "0.5 x",
                                                                 "args.grad_accum only"),
+    "the reentrant checkpointing": ("non-reentrant",),
     "no_sync on rank 0 only": ("same micro-batches on every rank",),
     "optimizer.step() every micro-batch": ("optimizer.step() ran", "once per micro-batch"),
     "zero_grad every micro-batch": ("zero_grad() ran between the micro-batches",),
@@ -877,6 +883,19 @@ CORRECT = [
      [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n",
        "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
        "                loss = loss / args.grad_accum\n")]),
+    ("memory", MEM, "the blocks checkpointed by torch.utils.checkpoint in a module of its own",
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
+       "    return model",
+       "    class Checkpointed(torch.nn.Module):\n"
+       "        def __init__(self, block):\n"
+       "            super().__init__()\n"
+       "            self.block = block\n\n"
+       "        def forward(self, x):\n"
+       "            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)\n\n"
+       "    for name in list(model.layers):\n"
+       "        model.layers[name] = Checkpointed(model.layers[name])\n"
+       "    return model")]),
     ("memory", MEM, "the blocks wrapped by key and value",
      [("    for name in list(model.layers):\n"
        "        model.layers[name] = checkpoint_wrapper(model.layers[name])",

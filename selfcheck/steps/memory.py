@@ -20,6 +20,8 @@ GPU (selfcheck/standin.py), where the offload policy pins host memory.
 
 from __future__ import annotations
 
+import types
+
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
 from selfcheck.runs import ONE, TWO_NODES, Run
@@ -355,14 +357,30 @@ def check_fsdp(ctx, key, run, ref) -> None:
            "keeps every unit's shards in host memory; all train like one process")
 
 
+def checkpointed_formula(run) -> float:
+    """The formula's activations with every block checkpointed, for this run's shapes: the
+    run's own formula, unless the run's blocks are not CheckpointWrapper's (the formula only
+    knows that class: a module of the participant's own that calls torch.utils.checkpoint)."""
+    rank0 = run.summary["memory"]["per_rank"][0]
+    if rank0["layout"].get("checkpointing"):
+        return formula(run, "activations")
+    from utils.memory import Layout, predict  # (imports torch: only on this rare way)
+    layout = Layout(**{**rank0["layout"], "checkpointing": True})
+    cfg = types.SimpleNamespace(**run.summary["model_config"])
+    return predict(cfg, tokens(run), layout, precision=run.summary.get("precision", "fp32")
+                   )["activations"]
+
+
 def check_checkpointing(ctx, key, run, ref) -> None:
+    """Judged by the bytes measured against the formula's: no block checkpointed, each block,
+    the whole model as one; whatever module does the checkpointing."""
     rep = ctx.report
     types = run.ranks[0].get("block_types", [])
     wrapped = [t for t in types if "CheckpointWrapper" in t]
-    if wrapped:
-        rep.attempt(CHECKPOINTING)
-    saved, expected = memory(run, "activations"), formula(run, "activations")
+    saved, expected = memory(run, "activations"), checkpointed_formula(run)
     full = memory(ref, "activations") * tokens(run) / tokens(ref)
+    if wrapped or saved < 0.9 * full:
+        rep.attempt(CHECKPOINTING)
     if near(saved, full, 0.02):
         fail(rep, CHECKPOINTING, f"with {flags(key)} the blocks still save all their activations: "
                  "replace every block of model.layers by checkpoint_wrapper(block)")
@@ -371,7 +389,14 @@ def check_checkpointing(ctx, key, run, ref) -> None:
                  f"{expected:.0f} that checkpointing each block keeps: checkpoint each "
                  "Transformer block on its own, not the whole model (whose backward then "
                  "recomputes everything at once)")
-    elif saved > 1.3 * expected or len(wrapped) < len(types):
+    elif (saved > 1.3 * expected and wrapped and len(wrapped) == len(types)
+          and "REENTRANT" in run.ranks[0].get("checkpoint_impls", [])):
+        fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
+                 f"{expected:.0f} of every block checkpointed, though every block is wrapped: "
+                 "the reentrant checkpointing (deprecated) keeps more; use the default "
+                 "(non-reentrant) checkpointing, checkpoint_wrapper(block) without "
+                 "checkpoint_impl")
+    elif saved > 1.3 * expected or 0 < len(wrapped) < len(types):
         fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
                  f"{expected:.0f} of every block checkpointed whole ({len(wrapped)} of "
                  f"{len(types)} blocks wrapped): wrap each block of model.layers, the whole "
