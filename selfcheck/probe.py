@@ -408,6 +408,35 @@ class Probe:
         wrap(ZeroRedundancyOptimizer, "__init__", after=optimizer_built)
         wrap(torch.optim.AdamW, "__init__", after=optimizer_built)
 
+        # -- optimizer.step() and zero_grad() against backward(): a step per micro-batch, or a
+        # zero_grad() that throws away the gradients of earlier micro-batches (the memory step's
+        # accumulation). ZeroRedundancyOptimizer's step runs its AdamW's: counted once.
+        counted = record["optimizer_calls"] = {"steps": 0, "discarding_zero_grads": 0}
+        since = {"backwards": 0, "depth": 0}
+
+        def step_pre(optimizer, *a):
+            since["depth"] += 1
+            if since["depth"] == 1:
+                counted["steps"] += 1
+                since["backwards"] = 0
+
+        def step_post(optimizer, *a):
+            since["depth"] -= 1
+
+        def backward_(*a, **k):
+            since["backwards"] += 1
+
+        def zero_grad_(self, *a, **k):
+            if since["backwards"] and not since["depth"]:
+                counted["discarding_zero_grads"] += 1
+            since["backwards"] = 0
+        from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                           register_optimizer_step_pre_hook)
+        register_optimizer_step_pre_hook(step_pre)
+        register_optimizer_step_post_hook(step_post)
+        wrap(torch.Tensor, "backward", before=backward_)
+        wrap(torch.optim.Optimizer, "zero_grad", before=zero_grad_)
+
         # -- the performance step: what AdamW and torch.compile were asked for
         def adamw_init(self, *a, **k):
             record["adamw"].append(sorted(k))
@@ -631,6 +660,10 @@ class Probe:
         record["meshes_used"] = describe_meshes(m)
         record["layers"] = sorted(int(k) for k in m.layers)
         record["block_types"] = [type(b).__name__ for b in m.layers.values()]
+        # checkpoint_wrapper's checkpoint_impl (the memory step: the reentrant one keeps more)
+        record["checkpoint_impls"] = sorted({impl.name for b in m.layers.values()
+                                             if (impl := getattr(b, "checkpoint_impl", None))
+                                             is not None and hasattr(impl, "name")})
         record["parts"] = {name: getattr(m, name, None) is not None
                            for name in ("tok_emb", "pos_emb", "norm", "output")}
 
@@ -936,7 +969,10 @@ def collectives_lesson(probe, module) -> None:
             result = setup(*a, **k)
             if dist.is_initialized() and dist.get_world_size() > 1:
                 lesson["ring"] = {}  # filled part by part: a crash keeps what came before
-                lesson_ring(module, lesson["ring"])
+                # and written part by part too: gloo's abort of a rank loses its record
+                progress = probe.dump_dir / f"ring{probe.rank}.json"
+                lesson_ring(module, lesson["ring"],
+                            lambda: progress.write_text(json.dumps(lesson["ring"])))
             return result
         module.setup = setup_then_ring
 
@@ -946,14 +982,20 @@ def lesson_value(rank, i):
     return (rank + 1) * 10 + i % 7
 
 
-def lesson_ring(module, out: dict) -> None:
+def lesson_ring(module, out: dict, save=lambda: None) -> None:
     import torch
     import torch.distributed as dist
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     out.update(rank=rank, world_size=n)
 
+    # the steps each part makes: a rank that makes fewer than the others goes on while they
+    # still wait for its message, and the error surfaces in a later part
+    steps = out["steps"] = {}
+
     def correct_exchange(send, recv):
+        part = out.get("running", "other")
+        steps[part] = steps.get(part, 0) + 1
         for request in dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),
                                                dist.P2POp(dist.irecv, recv, left)]):
             request.wait()
@@ -981,7 +1023,10 @@ def lesson_ring(module, out: dict) -> None:
         if callable(getattr(module, "ring_reduce_scatter", None)):
             x = lesson_value(rank, i).float()
             chunks = list(x.tensor_split(n))
+            out["running"] = "reduce_scatter"
             module.ring_reduce_scatter(chunks)
+            del out["running"]
+            save()
             out["reduce_scatter"] = {
                 "complete": complete(x.tensor_split(n)),
                 "complete_in_list": complete(chunks) if len(chunks) == n else [],
@@ -992,7 +1037,10 @@ def lesson_ring(module, out: dict) -> None:
             x = torch.full((length,), -1.0)
             mine = (rank + 1) % n
             x.tensor_split(n)[mine].copy_(total.tensor_split(n)[mine])
+            out["running"] = "all_gather"
             module.ring_all_gather(list(x.tensor_split(n)))
+            del out["running"]
+            save()
             out["all_gather"] = {"complete": complete(x.tensor_split(n)),
                                  "wrong": int((x != total).sum())}
     finally:

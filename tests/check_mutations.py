@@ -576,6 +576,9 @@ MISTAKES = [
     ("collectives", COLL, "the receive buffer sized like the chunk sent", 50,
      [("        received = torch.empty_like(chunks[into])",
        "        received = torch.empty_like(chunks[send])")]),
+    ("collectives", COLL, "the receive buffer float32 for float64 chunks", 50,
+     [("        received = torch.empty_like(chunks[into])",
+       "        received = torch.zeros(chunks[into].shape)")]),
     ("collectives", COLL, "the sum kept in the list, not in the tensor", 50,
      [("chunks[into] += received", "chunks[into] = chunks[into] + received")]),
     ("collectives", COLL, "the received chunk overwrites instead of adding", 50,
@@ -591,6 +594,16 @@ MISTAKES = [
        "        received = torch.empty_like(chunks[into])\n"
        "        send_right_receive_left(chunks[send], received)\n"
        "        chunks[into] += received\n")]),
+    ("collectives", COLL, "rank 0 makes one all-gather step fewer", 51,
+     [("    for step in range(n - 1):\n        send, into = (rank + 1 - step) % n, (rank - step) % n",
+       "    for step in range(n - 1 if rank else n - 2):\n"
+       "        send, into = (rank + 1 - step) % n, (rank - step) % n")]),
+    ("collectives", COLL, "the latency returned in milliseconds", 52,
+     [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
+       "return latency * 1e3, (1 / slope) * 2 * (world_size - 1) / world_size")]),
+    ("collectives", COLL, "the bus bandwidth in bits per second", 52,
+     [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
+       "return latency, 8 / slope * 2 * (world_size - 1) / world_size")]),
     ("collectives", COLL, "the algorithm bandwidth returned as bus bandwidth", 52,
      [("return latency, (1 / slope) * 2 * (world_size - 1) / world_size",
        "return latency, 1 / slope")]),
@@ -643,6 +656,11 @@ MISTAKES = [
     ("memory", MEM, "only the first block checkpointed", 55,
      [("    for name in list(model.layers):\n",
        "    for name in list(model.layers)[:1]:\n")]),
+    ("memory", MEM, "the reentrant checkpointing", 55,
+     [("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name], "
+       "checkpoint_impl=CheckpointImpl.REENTRANT)"),
+      ("import checkpoint_wrapper\n", "import CheckpointImpl, checkpoint_wrapper\n")]),
     ("memory", MEM, "zero2 reshards after forward too", 56,
      [('options = dict(reshard_after_forward=layout != "zero2")',
        "options = dict(reshard_after_forward=True)")]),
@@ -669,6 +687,8 @@ MISTAKES = [
     ("memory", MEM, "offload's host memory never pinned on a GPU", 56,
      [("CPUOffloadPolicy(pin_memory=torch.cuda.is_available())",
        "CPUOffloadPolicy(pin_memory=False)")]),
+    ("memory", MEM, "offload pins host memory on a machine without a GPU too", 56,
+     [("CPUOffloadPolicy(pin_memory=torch.cuda.is_available())", "CPUOffloadPolicy()")]),
     ("memory", MEM, "ZeroRedundancyOptimizer of SGD", 57,
      [("optimizer_class=torch.optim.AdamW,\n", "optimizer_class=torch.optim.SGD,\n")]),
     ("memory", MEM, "zero1 left with a plain AdamW", 57,
@@ -709,6 +729,20 @@ MISTAKES = [
     ("memory", MEM, "DDP's no_sync() called on every layout (FSDP2 has none)", 58,
      [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
        "with contextlib.nullcontext() if last else model.no_sync():")]),
+    ("memory", MEM, "optimizer.step() every micro-batch", 58,
+     [("            if not last:\n                continue\n            optimizer.step()\n",
+       "            optimizer.step()\n            if not last:\n                continue\n")]),
+    ("memory", MEM, "zero_grad every micro-batch", 58,
+     [("            if micro % args.grad_accum == 0:  # a new optimizer step begins\n"
+       "                optimizer.zero_grad(set_to_none=True)\n",
+       "            optimizer.zero_grad(set_to_none=True)\n")]),
+    ("memory", MEM, "no_sync on rank 0 only", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last or torch.distributed.get_rank() else "
+       "no_gradient_sync(model):")]),
+    ("memory", MEM, "the loss divided by the micro-batches and by the ranks", 58,
+     [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
+       "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (args.grad_accum * world_size)")]),
     ("memory", MEM, "divided by the micro-batches only under DDP", 58,
      [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
        "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
@@ -730,6 +764,18 @@ MESSAGES = {
     "the send's request never waited for": ("never waits for the request", "wait()"),
     "the receive buffer sized like the chunk sent": ("bytes arrived in a buffer",),
     "a line through the first and the last point": ("least squares",),
+    "offload pins host memory on a machine without a GPU too": (
+        "pin_memory=torch.cuda.is_available()",),
+    "the loss divided by the micro-batches and by the ranks": ("in every run", "0.5 x",
+                                                                "args.grad_accum only"),
+    "the reentrant checkpointing": ("non-reentrant",),
+    "no_sync on rank 0 only": ("same micro-batches on every rank",),
+    "optimizer.step() every micro-batch": ("optimizer.step() ran", "once per micro-batch"),
+    "zero_grad every micro-batch": ("zero_grad() ran between the micro-batches",),
+    "the receive buffer float32 for float64 chunks": ("dtype", "torch.empty_like(chunks[into])"),
+    "rank 0 makes one all-gather step fewer": ("rank 0 made 1", "range(n - 1)"),
+    "the latency returned in milliseconds": ("milliseconds: return seconds",),
+    "the bus bandwidth in bits per second": ("not bits",),
     "device_ids by the global rank (GPU 2 on a node of 2)": ("2 nodes x 2 GPUs",
                                                              "device_ids=[local_rank]"),
     "the clock read before synchronize": ("synchronize(device)",),
@@ -902,6 +948,19 @@ CORRECT = [
      [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n",
        "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
        "                loss = loss / args.grad_accum\n")]),
+    ("memory", MEM, "the blocks checkpointed by torch.utils.checkpoint in a module of its own",
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n"
+       "    return model",
+       "    class Checkpointed(torch.nn.Module):\n"
+       "        def __init__(self, block):\n"
+       "            super().__init__()\n"
+       "            self.block = block\n\n"
+       "        def forward(self, x):\n"
+       "            return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)\n\n"
+       "    for name in list(model.layers):\n"
+       "        model.layers[name] = Checkpointed(model.layers[name])\n"
+       "    return model")]),
     ("memory", MEM, "the blocks wrapped by key and value",
      [("    for name in list(model.layers):\n"
        "        model.layers[name] = checkpoint_wrapper(model.layers[name])",

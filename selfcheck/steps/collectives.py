@@ -68,7 +68,9 @@ def check(ctx) -> None:
     if run.crashed:
         failure = run.failure
         in_ring = failure is not None and failure.func in RING_PARTS
-        if failure is not None and check_sizes(ctx, run, failure):
+        if check_steps(ctx, run):
+            pass
+        elif failure is not None and check_sizes(ctx, run, failure):
             pass
         elif not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
             report_crash(ctx, run, cause=RING_CAUSE if in_ring and (
@@ -101,6 +103,39 @@ def check_requests(ctx, run) -> None:
             return
 
 
+# the parts the probe runs alone, in its order: (its name for it, the function, the TODO)
+PROBE_PARTS = (("reduce_scatter", "ring_reduce_scatter", 50),
+               ("all_gather", "ring_all_gather", 51))
+
+
+def check_steps(ctx, run) -> bool:
+    """A rank that made fewer (or more) send/receive steps in a part than the others: it went
+    on while a neighbour still waited in that part, and the messages that then met belong to
+    different parts, so the error surfaces later and elsewhere. The probe writes each rank's
+    steps per part as soon as the part ends (gloo's abort of a rank loses its record).
+    True if reported."""
+    rep = ctx.report
+    steps = {}
+    for rank in range(RING.world):
+        f = run.dir / "dump" / f"ring{rank}.json"
+        try:
+            steps[rank] = json.loads(f.read_text()).get("steps", {}) if f.is_file() else {}
+        except ValueError:
+            continue
+    for part, function, todo in PROBE_PARTS:
+        made = {rank: s[part] for rank, s in steps.items() if part in s}
+        if len(set(made.values())) < 2 or rep.failed(todo):
+            continue
+        counts = ", ".join(f"rank {r} made {m}" for r, m in sorted(made.items()))
+        rep.fail(todo, f"the ranks make different numbers of steps in {function} ({counts}, "
+                 f"n - 1 = {RING.world - 1}): a rank that stops early goes on to the next part "
+                 "while its neighbour still waits for its message: n - 1 steps on every rank, "
+                 "range(n - 1), with nothing that depends on the rank")
+        rep.attempt(todo)
+        return True
+    return False
+
+
 def check_sizes(ctx, run, failure) -> bool:
     """A message that arrived in a buffer of another size (gloo ends the receiving process):
     the chunk received is not the chunk the left neighbour sends. True if reported."""
@@ -121,6 +156,16 @@ def check_sizes(ctx, run, failure) -> bool:
     who = f"rank {failure.rank}" if failure.rank is not None else "a rank"
     where = f" (line {failure.line})" if failure.line else ""
     if rep.failed(todo):
+        return True
+    # the chunks of one tensor differ by one element at most: bytes twice (or half) as many,
+    # more than one element apart, are as many elements of another dtype (a float64 tensor
+    # received into float32)
+    if sizes and abs(got - room) > 8 and 2 in (got / room if room else 0, room / got):
+        rep.fail(todo, f"in {function}{where} {who} received {got} bytes in a buffer of {room}: "
+                 "as many elements, of another dtype (the ring also sums float64 tensors): make "
+                 "the buffer with the chunk's dtype, torch.empty_like(chunks[into]), not "
+                 "torch.zeros(shape) (float32)")
+        rep.attempt(todo)
         return True
     rep.fail(todo, f"in {function}{where} {who} received a message of another size than its "
              f"buffer{sizes}: in each step the chunk a rank receives must be the one its left "
@@ -261,6 +306,8 @@ def check_fit(ctx, entry) -> None:
     if not near(latency, want_latency, 1e-3, 1e-9):
         if near(latency, want_latency * 1e6, 1e-3):
             problems.append("the latency is in microseconds: return seconds")
+        elif near(latency, want_latency * 1e3, 1e-3):
+            problems.append("the latency is in milliseconds: return seconds")
         else:
             problems.append(f"the latency comes out {latency:.4g} s instead of {want_latency:g} "
                             "s: it is the line's intercept, mean y - slope x mean x")
@@ -272,6 +319,11 @@ def check_fit(ctx, entry) -> None:
         elif near(ratio, 0.5, 1e-3, 0):
             problems.append("(n - 1) / n is the factor of all-gather and reduce-scatter; an "
                             "all-reduce moves twice that: 2 (n - 1) / n")
+        elif near(ratio, 8, 1e-3, 0) or near(ratio, 1 / 8, 1e-3, 0):
+            problems.append(f"the bus bandwidth comes out {ratio:g} x {want_busbw / 1e9:g} GB/s: "
+                            "bytes per second, not bits (no factor of 8)")
+        elif near(ratio, 1e-9, 1e-3, 0):
+            problems.append("the bus bandwidth is in GB/s: return bytes per second")
         elif near(busbw, 1 / algbw, 1e-3, 0) or busbw < 1:
             problems.append("the bandwidth is 1 / slope, in bytes per second")
         else:

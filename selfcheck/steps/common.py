@@ -116,6 +116,9 @@ KNOWN_CAUSES = [
      "fully_shard takes a module that computes something: each block of model.layers (for "
      "block in model.layers.values(): fully_shard(block, ...)), not the ModuleDict that holds "
      "them; then the whole model"),
+    (r"Cannot access accelerator device when none is available",
+     "pinned host memory needs a GPU, and CPUOffloadPolicy() pins by default: "
+     "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())"),
     (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
      "tensor shapes do not fit: a layer split or kept where it should not be"),
 ]

@@ -20,6 +20,8 @@ GPU (selfcheck/standin.py), where the offload policy pins host memory.
 
 from __future__ import annotations
 
+import types
+
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
 from selfcheck.runs import ONE, TWO_NODES, Run
@@ -78,7 +80,7 @@ def check(ctx) -> None:
     finished = {}
     for key, run in runs.items():
         if run.crashed:
-            report_run_crash(ctx, key, run)
+            report_run_crash(ctx, key, run, runs)
         elif run.summary and run.summary["args"].get("layout") == key[0]:
             finished[key] = run
     # what each run built and measured first: where it breaks a promise, that is the cause of
@@ -90,7 +92,7 @@ def check(ctx) -> None:
 
 
 # ------------------------------------------------------------------------------ crashes
-def report_run_crash(ctx, key, run) -> None:
+def report_run_crash(ctx, key, run, runs) -> None:
     """The first crash of each TODO, with the options of the run it happened in."""
     rep = ctx.report
     layout, accum, ckpt = key
@@ -99,6 +101,14 @@ def report_run_crash(ctx, key, run) -> None:
     default = (CHECKPOINTING if "apply_activation_checkpointing" in message or ckpt and not
                LAYOUT_TODO[layout] else LAYOUT_TODO[layout] or ACCUMULATION)
     cause, todo = None, None
+    # ranks that disagree on their collectives only where micro-batches are accumulated: the
+    # ranks skip different all-reduces (no_gradient_sync on some ranks, or some micro-batches)
+    mismatch = f is not None and (f.kind in ("hung", "timeout") or f.peer
+                                  or "collective mismatch" in message)
+    if accum > 1 and mismatch and all(not r.crashed for k, r in runs.items() if k[1] == 1):
+        default = ACCUMULATION
+        cause = ("every rank must make the same all-reduces: no_gradient_sync(model) around the "
+                 "same micro-batches on every rank, all but the last of each step")
     if "no_sync" in message and layout in ("zero2", "zero3", "offload"):
         cause = ("FSDP2's modules have no no_sync(): no_gradient_sync(model) calls DDP's "
                  "no_sync() or FSDP2's set_requires_gradient_sync(False), whichever the model is")
@@ -177,10 +187,33 @@ def feature_todo(feature: str) -> int:
     return {"accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}[feature]
 
 
+def scaled_everywhere(ctx, trained: dict, runs: dict, ref) -> bool:
+    """Every run, with accumulation or without, logs the same multiple of the single process's
+    loss: the loss itself is scaled (by the ranks, say), not any one option's work. True if
+    reported (once, under the TODO that divides the loss)."""
+    theirs = ref.summary["loss_history"]
+    if not trained or any(good is True for good in trained.values()) or not theirs:
+        return False
+    ratios = [runs[k].summary["loss_history"][0] / theirs[0] for k in trained
+              if runs[k].summary["loss_history"]]
+    if len(ratios) < len(trained) or not all(near(r, ratios[0], 0.01) for r in ratios) or \
+            near(ratios[0], 1.0, 0.01):
+        return False
+    ratio, world = ratios[0], next(iter(runs.values())).geometry.world
+    why = (f"; DDP and FSDP average the gradients over the {world} ranks themselves"
+           if near(ratio, 1 / world, 0.01) else "")
+    fail(ctx.report, ACCUMULATION, f"in every run, with accumulation or without, the loss is "
+         f"{ratio:.3g} x the single process's from step 1 on: divide each micro-batch's loss by "
+         f"args.grad_accum only{why}")
+    return True
+
+
 def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
     """A run that trains differently: its TODO is that of an option no run that trains right
     uses (with accumulation 2, a loss twice the whole batch's is the undivided loss)."""
     rep = ctx.report
+    if scaled_everywhere(ctx, trained, runs, ref):
+        return
     cleared = {f for key, good in trained.items() if good is True for f in features(key)}
     for key, what in trained.items():
         if what is True:
@@ -324,14 +357,30 @@ def check_fsdp(ctx, key, run, ref) -> None:
            "keeps every unit's shards in host memory; all train like one process")
 
 
+def checkpointed_formula(run) -> float:
+    """The formula's activations with every block checkpointed, for this run's shapes: the
+    run's own formula, unless the run's blocks are not CheckpointWrapper's (the formula only
+    knows that class: a module of the participant's own that calls torch.utils.checkpoint)."""
+    rank0 = run.summary["memory"]["per_rank"][0]
+    if rank0["layout"].get("checkpointing"):
+        return formula(run, "activations")
+    from utils.memory import Layout, predict  # (imports torch: only on this rare way)
+    layout = Layout(**{**rank0["layout"], "checkpointing": True})
+    cfg = types.SimpleNamespace(**run.summary["model_config"])
+    return predict(cfg, tokens(run), layout, precision=run.summary.get("precision", "fp32")
+                   )["activations"]
+
+
 def check_checkpointing(ctx, key, run, ref) -> None:
+    """Judged by the bytes measured against the formula's: no block checkpointed, each block,
+    the whole model as one; whatever module does the checkpointing."""
     rep = ctx.report
     types = run.ranks[0].get("block_types", [])
     wrapped = [t for t in types if "CheckpointWrapper" in t]
-    if wrapped:
-        rep.attempt(CHECKPOINTING)
-    saved, expected = memory(run, "activations"), formula(run, "activations")
+    saved, expected = memory(run, "activations"), checkpointed_formula(run)
     full = memory(ref, "activations") * tokens(run) / tokens(ref)
+    if wrapped or saved < 0.9 * full:
+        rep.attempt(CHECKPOINTING)
     if near(saved, full, 0.02):
         fail(rep, CHECKPOINTING, f"with {flags(key)} the blocks still save all their activations: "
                  "replace every block of model.layers by checkpoint_wrapper(block)")
@@ -340,7 +389,14 @@ def check_checkpointing(ctx, key, run, ref) -> None:
                  f"{expected:.0f} that checkpointing each block keeps: checkpoint each "
                  "Transformer block on its own, not the whole model (whose backward then "
                  "recomputes everything at once)")
-    elif saved > 1.3 * expected or len(wrapped) < len(types):
+    elif (saved > 1.3 * expected and wrapped and len(wrapped) == len(types)
+          and "REENTRANT" in run.ranks[0].get("checkpoint_impls", [])):
+        fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
+                 f"{expected:.0f} of every block checkpointed, though every block is wrapped: "
+                 "the reentrant checkpointing (deprecated) keeps more; use the default "
+                 "(non-reentrant) checkpointing, checkpoint_wrapper(block) without "
+                 "checkpoint_impl")
+    elif saved > 1.3 * expected or 0 < len(wrapped) < len(types):
         fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
                  f"{expected:.0f} of every block checkpointed whole ({len(wrapped)} of "
                  f"{len(types)} blocks wrapped): wrap each block of model.layers, the whole "
@@ -355,6 +411,18 @@ def check_accumulation(ctx, key, run, ref, runs) -> None:
     rep = ctx.report
     layout = key[0]
     steps = run.summary["steps"] or 1
+    calls = run.ranks[0].get("optimizer_calls") or {}
+    if calls.get("steps", 0) > steps:
+        fail(rep, ACCUMULATION, f"with {flags(key)} optimizer.step() ran {calls['steps']} times "
+             f"in {steps} steps, once per micro-batch: step once per optimizer step, after the "
+             "last micro-batch (after `if not last: continue`)")
+        return
+    if calls.get("discarding_zero_grads"):
+        fail(rep, ACCUMULATION, f"with {flags(key)} optimizer.zero_grad() ran between the "
+             f"micro-batches of a step ({calls['discarding_zero_grads']} times), throwing away "
+             "the gradients added up so far: zero_grad once per optimizer step, before its "
+             "first micro-batch (if micro % args.grad_accum == 0)")
+        return
     if layout in ("ddp", "zero1"):
         per_step = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
         counted = run.ranks[0].get("allreduces")
