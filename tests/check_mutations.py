@@ -380,6 +380,29 @@ MISTAKES = [
        '    if rank == 0:\n'
        '        with atomic_folder(out_dir / "final_model") as folder:\n'
        '            dcp.save(model.state_dict(), checkpoint_id=folder)')]),
+    ("pp", PP, "the split made with the local rank (the stage with the global)", 36,
+     [("    model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)",
+       "    model = split_pipeline_stage(model, local_rank, num_stages, args.layers_per_stage)")]),
+    ("pp", PP, "microbatch size given as the number of microbatches", 36,
+     [("    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)",
+       "    schedule = build_schedule(args.schedule, stage, args.batch_size // args.microbatches, "
+       "lm_loss)")]),
+    ("pp", PP, "the loss_fn given to the last stage's schedule only", 36,
+     [("    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)",
+       "    schedule = build_schedule(args.schedule, stage, args.microbatches,\n"
+       "                              lm_loss if stage.is_last else None)")]),
+    ("pp", PP, "samplers with num_replicas=1 but rank=rank", 35,
+     [("DistributedSampler(train_ds, num_replicas=1, rank=0,",
+       "DistributedSampler(train_ds, num_replicas=1, rank=rank,")]),
+    ("pp", PP, "DCP state_dict nested under 'model'", 39,
+     [('    with atomic_folder(out_dir / "final_model") as folder:\n'
+       '        dcp.save(model.state_dict(), checkpoint_id=folder)',
+       '    with atomic_folder(out_dir / "final_model") as folder:\n'
+       '        dcp.save({"model": model.state_dict()}, checkpoint_id=folder)')]),
+    ("pp", PP, "evaluation without the training autocast", 40,
+     [("        with autocast(precision, device):  # the dtypes the stages send in training\n"
+       "            schedule.eval(",
+       "        if True:\n            schedule.eval(")]),
     ("pp", PP, "no broadcast after evaluation", 40,
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,
@@ -696,6 +719,14 @@ MESSAGES = {
     "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
     "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+    "the split made with the local rank (the stage with the global)": (
+        "as for the PipelineStage",),
+    "microbatch size given as the number of microbatches": ("the number of microbatches",),
+    "the loss_fn given to the last stage's schedule only": ("no loss_fn", "on every rank"),
+    "samplers with num_replicas=1 but rank=rank": ("Invalid rank 1",),
+    "DCP state_dict nested under 'model'": ("'model.'", "dcp.save(model.state_dict()"),
+    "evaluation without the training autocast": ("outside any autocast",
+                                                 "autocast(precision, device)"),
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -741,6 +772,10 @@ CORRECT = [
      [("    owned = stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]",
        "    per = len(model.layers) // num_stages\n"
        "    owned = range(stage_index * per, (stage_index + 1) * per)")]),
+    ("pp", PP, "evaluation under torch.autocast written out",
+     [("        with autocast(precision, device):  # the dtypes the stages send in training\n",
+       "        with torch.autocast(device.type, dtype=torch.bfloat16,\n"
+       "                            enabled=precision == \"bf16\"):\n")]),
     ("perf", PERF, "fused=True everywhere",
      [('fused=device.type == "cuda")', "fused=True)")]),
     ("perf", PERF, "ranges named otherwise",
