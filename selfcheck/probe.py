@@ -915,7 +915,11 @@ class _StandInProfiler:
 
 
 def performance_lesson(probe, module) -> None:
-    """TODO 59's gpu_busy on stand-in profiles: a GPU busy 6 ms of each 10 ms step, a CPU run."""
+    """TODO 59's gpu_busy on stand-in profiles: a GPU busy 6 ms of each 10 ms step, a CPU run;
+    and the profiling window the script's constants describe (TODO 43)."""
+    window = [getattr(module, f"PROFILE_{n}", None) for n in ("WAIT", "WARMUP", "ACTIVE")]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in window):
+        probe.record["profile_window"] = window
     if callable(getattr(module, "gpu_busy", None)):
         probe.record["gpu_busy"] = {
             "gpu": lesson_call(module.gpu_busy, _StandInProfiler(6.0)),

@@ -533,6 +533,30 @@ MISTAKES = [
      [("    if world_size > 1:\n        model = DDP(", "    if False:\n        model = DDP(")]),
     ("perf", PERF, "DDP kept for one process", 62,
      [("    if world_size > 1:\n        model = DDP(", "    if world_size >= 1:\n        model = DDP(")]),
+    ("perf", PERF, 'torch.cuda.synchronize() with no device test', 42,
+     [
+      ('                synchronize(device)\n',
+       '                torch.cuda.synchronize()\n')]),
+    ("perf", PERF, 'tokens/s per rank, MFU per device (right)', 42,
+     [
+      ('            interval_tokens += x.numel() * world_size',
+       '            interval_tokens += x.numel()'),
+      ('MFU {rate * flops_per_tok / (peak * world_size):.1%}',
+       'MFU {rate * flops_per_tok / peak:.1%}')]),
+    ("perf", PERF, 'the interval clock started once, before the epochs (evaluation counted)', 42,
+     [
+      ('    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan\n',
+       '    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan\n    interval_tokens, interval_start = 0, time.perf_counter()\n'),
+      ('        # DONE 42: tokens since the last report, and when that interval started\n        interval_tokens, interval_start = 0, time.perf_counter()\n',
+       '        # DONE 42: tokens since the last report, and when that interval started\n')]),
+    ("perf", PERF, 'tokens/s cumulative since the epoch began (no reset after a report)', 42,
+     [
+      ('                interval_tokens, interval_start = 0, time.perf_counter()\n',
+       '')]),
+    ("perf", PERF, 'fp16 autocast (no GradScaler) for the bf16 run', 45,
+     [
+      ('with annotate("forward", device), autocast(args.precision, device):',
+       'with annotate("forward", device), torch.autocast(device.type, dtype=torch.float16, enabled=args.precision == "bf16"):')]),
     # ---- the performance job file ------------------------------------------------------
     ("perf-sbatch", PERF_SBATCH, "nsys on every run", 48,
      [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
@@ -542,6 +566,14 @@ MISTAKES = [
      [(" --force-overwrite=true", "")]),
     ("perf-sbatch", PERF_SBATCH, "the report in the submit folder", 48,
      [('-o "$OUT_DIR/nsys"', "-o nsys")]),
+    ("perf-sbatch", PERF_SBATCH, 'PROFILER as one string', 48,
+     [
+      ('    PROFILER=(nsys profile -t "${NSYS_TRACE:-cuda,nvtx,nccl}" -o "$OUT_DIR/nsys" --force-overwrite=true)',
+       '    PROFILER="nsys profile -t ${NSYS_TRACE:-cuda,nvtx,nccl} -o $OUT_DIR/nsys --force-overwrite=true"')]),
+    ("perf-sbatch", PERF_SBATCH, 'nsys put before srun (profiles srun, not the training)', 48,
+     [
+      ('srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\\n    "${PROFILER[@]}" python -u',
+       '"${PROFILER[@]}" srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\\n    python -u')]),
     # ---- collectives (issue 20) --------------------------------------------------------
     ("collectives", COLL, "the ring turned the wrong way round", 49,
      [("right, left = (rank + 1) % n, (rank - 1) % n", "right, left = (rank - 1) % n, (rank + 1) % n")]),
@@ -725,6 +757,15 @@ MESSAGES = {
     "the loss_fn given to the last stage's schedule only": ("no loss_fn", "on every rank"),
     "samplers with num_replicas=1 but rank=rank": ("Invalid rank 1",),
     "DCP state_dict nested under 'model'": ("'model.'", "dcp.save(model.state_dict()"),
+    "torch.cuda.synchronize() with no device test": ("synchronize(device) from utils.metrics",),
+    "tokens/s per rank, MFU per device (right)": ("interval_tokens += x.numel() * world_size",),
+    "the interval clock started once, before the epochs (evaluation counted)": (
+        "the first after an evaluation", "start the interval with each epoch"),
+    "tokens/s cumulative since the epoch began (no reset after a report)": (
+        "after each report",),
+    "fp16 autocast (no GradScaler) for the bf16 run": ("float16", "GradScaler"),
+    "PROFILER as one string": ("bash array", '"${PROFILER[@]}"'),
+    "nsys put before srun (profiles srun, not the training)": ("inside the srun line",),
     "evaluation without the training autocast": ("outside any autocast",
                                                  "autocast(precision, device)"),
 }
@@ -776,6 +817,9 @@ CORRECT = [
      [("        with autocast(precision, device):  # the dtypes the stages send in training\n",
        "        with torch.autocast(device.type, dtype=torch.bfloat16,\n"
        "                            enabled=precision == \"bf16\"):\n")]),
+    ("perf", PERF, "the torch docs' profiler window wait=1 warmup=1 active=3",
+     [("PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 2, 3",
+       "PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3")]),
     ("perf", PERF, "fused=True everywhere",
      [('fused=device.type == "cuda")', "fused=True)")]),
     ("perf", PERF, "ranges named otherwise",
