@@ -54,6 +54,8 @@ class Probe:
         }
         self.datasets, self.samplers, self.models, self.optimizers = [], [], [], []
         self.on_print = None  # the stand-in GPU's timeline takes the printed lines too
+        self.autocasts_open = 0  # autocast contexts (the course's or torch's) entered, not left
+        self.evaluating = 0  # inside a pipeline schedule's eval()
 
     # ------------------------------------------------------------------ where a call came from
     def script_line(self, depth: int = 2) -> tuple[str, int] | None:
@@ -329,9 +331,16 @@ class Probe:
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
         def schedule_init(self, stage, n_microbatches=None, loss_fn=None, *a, **k):
+            frame = sys._getframe(2)  # the file that built it (the script, or the course's
+            while frame is not None and f"{os.sep}torch{os.sep}" in frame.f_code.co_filename:
+                frame = frame.f_back  # drawing of the schedule in theory)
+            self._check_by_course = (frame is not None and frame.f_code.co_filename !=
+                                     probe.script and f"{os.sep}utils{os.sep}" in
+                                     frame.f_code.co_filename)
             record.setdefault("schedules", []).append({
                 "kind": type(self).__name__, "microbatches": n_microbatches,
-                "loss_fn": getattr(loss_fn, "__name__", None) if loss_fn else None})
+                "loss_fn": getattr(loss_fn, "__name__", None) if loss_fn else None,
+                "by_course": self._check_by_course})
         wrap(PipelineScheduleSingle, "__init__", before=schedule_init)
 
         def schedule_call(kind):
@@ -342,11 +351,47 @@ class Probe:
                         "kind": kind, "args": len(a), "target": target is not None,
                         "losses": losses is not None, "is_first": bool(getattr(stage, "is_first", False)),
                         "is_last": bool(getattr(stage, "is_last", False)),
-                        "has_loss_fn": getattr(self, "_loss_fn", None) is not None})
+                        "has_loss_fn": getattr(self, "_loss_fn", None) is not None,
+                        # evaluation under another autocast than training sends other dtypes
+                        # (a GPU in bf16 stops); a stage left in eval mode trains without dropout
+                        "autocast": probe.autocast_state(getattr(stage, "device", None)),
+                        "training": bool(getattr(getattr(stage, "submod", None), "training",
+                                                 True)),
+                        "by_course": getattr(self, "_check_by_course", False),
+                        "inside_eval": kind == "step" and probe.evaluating > 0})
             return before
         wrap(PipelineScheduleSingle, "step", before=schedule_call("step"))
-        if hasattr(PipelineScheduleSingle, "eval"):
-            wrap(PipelineScheduleSingle, "eval", before=schedule_call("eval"))
+        if hasattr(PipelineScheduleSingle, "eval"):  # (torch's eval calls step)
+            record_eval = schedule_call("eval")
+
+            def eval_before(*a, **k):
+                record_eval(*a, **k)
+                probe.evaluating += 1
+
+            def eval_after(*a, **k):
+                probe.evaluating -= 1
+            wrap(PipelineScheduleSingle, "eval", before=eval_before, after=eval_after)
+
+        # -- autocast contexts open: the course's autocast("fp32") enters nothing of torch's, so
+        # at fp32 only the context written around a call tells training and evaluation apart
+        import utils.precision as uprec
+        course_autocast = uprec.autocast
+
+        @functools.wraps(course_autocast)
+        def autocast_(*a, **k):
+            return OpenAutocast(probe, course_autocast(*a, **k))
+        uprec.autocast = autocast_
+        torch_autocast = torch.amp.autocast_mode.autocast
+        enter, exit_ = torch_autocast.__enter__, torch_autocast.__exit__
+
+        def autocast_enter(self):
+            probe.autocasts_open += 1
+            return enter(self)
+
+        def autocast_exit(self, *a):
+            probe.autocasts_open -= 1
+            return exit_(self, *a)
+        torch_autocast.__enter__, torch_autocast.__exit__ = autocast_enter, autocast_exit
 
         # -- the course's monitor: the log lines it writes (not the script's own reports)
         import utils.monitor as umon
@@ -491,6 +536,17 @@ class Probe:
         from selfcheck import standin
         if standin.active():
             standin.install(probe)
+
+    def autocast_state(self, device) -> list:
+        """[an autocast context open, the dtype torch's autocast computes in or None]."""
+        import torch
+        kind = getattr(device, "type", None) or "cpu"
+        try:
+            dtype = (str(torch.get_autocast_dtype(kind)).replace("torch.", "")
+                     if torch.is_autocast_enabled(kind) else None)
+        except (RuntimeError, TypeError):  # a device type autocast does not know
+            dtype = None
+        return [self.autocasts_open > 0, dtype]
 
     def output_hook(self, module, inputs, output):
         """What the model returns: a DTensor (logits split over the vocabulary) or a tensor."""
@@ -666,6 +722,21 @@ class Probe:
                                              is not None and hasattr(impl, "name")})
         record["parts"] = {name: getattr(m, name, None) is not None
                            for name in ("tok_emb", "pos_emb", "norm", "output")}
+
+
+class OpenAutocast:
+    """The course's autocast(...) context, counted while it is open (Probe.autocast_state)."""
+
+    def __init__(self, probe, inner):
+        self.probe, self.inner = probe, inner
+
+    def __enter__(self):
+        self.probe.autocasts_open += 1
+        return self.inner.__enter__()
+
+    def __exit__(self, *a):
+        self.probe.autocasts_open -= 1
+        return self.inner.__exit__(*a)
 
 
 WATCHED_FUNCTIONS = ("apply_fsdp", "apply_tp", "split_pipeline_stage", "build_schedule",
@@ -877,7 +948,11 @@ class _StandInProfiler:
 
 
 def performance_lesson(probe, module) -> None:
-    """TODO 59's gpu_busy on stand-in profiles: a GPU busy 6 ms of each 10 ms step, a CPU run."""
+    """TODO 59's gpu_busy on stand-in profiles: a GPU busy 6 ms of each 10 ms step, a CPU run;
+    and the profiling window the script's constants describe (TODO 43)."""
+    window = [getattr(module, f"PROFILE_{n}", None) for n in ("WAIT", "WARMUP", "ACTIVE")]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in window):
+        probe.record["profile_window"] = window
     if callable(getattr(module, "gpu_busy", None)):
         probe.record["gpu_busy"] = {
             "gpu": lesson_call(module.gpu_busy, _StandInProfiler(6.0)),

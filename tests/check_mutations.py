@@ -421,6 +421,29 @@ MISTAKES = [
        '    if rank == 0:\n'
        '        with atomic_folder(out_dir / "final_model") as folder:\n'
        '            dcp.save(model.state_dict(), checkpoint_id=folder)')]),
+    ("pp", PP, "the split made with the local rank (the stage with the global)", 36,
+     [("    model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)",
+       "    model = split_pipeline_stage(model, local_rank, num_stages, args.layers_per_stage)")]),
+    ("pp", PP, "microbatch size given as the number of microbatches", 36,
+     [("    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)",
+       "    schedule = build_schedule(args.schedule, stage, args.batch_size // args.microbatches, "
+       "lm_loss)")]),
+    ("pp", PP, "the loss_fn given to the last stage's schedule only", 36,
+     [("    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)",
+       "    schedule = build_schedule(args.schedule, stage, args.microbatches,\n"
+       "                              lm_loss if stage.is_last else None)")]),
+    ("pp", PP, "samplers with num_replicas=1 but rank=rank", 35,
+     [("DistributedSampler(train_ds, num_replicas=1, rank=0,",
+       "DistributedSampler(train_ds, num_replicas=1, rank=rank,")]),
+    ("pp", PP, "DCP state_dict nested under 'model'", 39,
+     [('    with atomic_folder(out_dir / "final_model") as folder:\n'
+       '        dcp.save(model.state_dict(), checkpoint_id=folder)',
+       '    with atomic_folder(out_dir / "final_model") as folder:\n'
+       '        dcp.save({"model": model.state_dict()}, checkpoint_id=folder)')]),
+    ("pp", PP, "evaluation without the training autocast", 40,
+     [("        with autocast(precision, device):  # the dtypes the stages send in training\n"
+       "            schedule.eval(",
+       "        if True:\n            schedule.eval(")]),
     ("pp", PP, "no broadcast after evaluation", 40,
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,
@@ -551,6 +574,30 @@ MISTAKES = [
      [("    if world_size > 1:\n        model = DDP(", "    if False:\n        model = DDP(")]),
     ("perf", PERF, "DDP kept for one process", 62,
      [("    if world_size > 1:\n        model = DDP(", "    if world_size >= 1:\n        model = DDP(")]),
+    ("perf", PERF, 'torch.cuda.synchronize() with no device test', 42,
+     [
+      ('                synchronize(device)\n',
+       '                torch.cuda.synchronize()\n')]),
+    ("perf", PERF, 'tokens/s per rank, MFU per device (right)', 42,
+     [
+      ('            interval_tokens += x.numel() * world_size',
+       '            interval_tokens += x.numel()'),
+      ('MFU {rate * flops_per_tok / (peak * world_size):.1%}',
+       'MFU {rate * flops_per_tok / peak:.1%}')]),
+    ("perf", PERF, 'the interval clock started once, before the epochs (evaluation counted)', 42,
+     [
+      ('    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan\n',
+       '    loss_history, step, best_val, val_loss = [], 0, math.inf, math.nan\n    interval_tokens, interval_start = 0, time.perf_counter()\n'),
+      ('        # DONE 42: tokens since the last report, and when that interval started\n        interval_tokens, interval_start = 0, time.perf_counter()\n',
+       '        # DONE 42: tokens since the last report, and when that interval started\n')]),
+    ("perf", PERF, 'tokens/s cumulative since the epoch began (no reset after a report)', 42,
+     [
+      ('                interval_tokens, interval_start = 0, time.perf_counter()\n',
+       '')]),
+    ("perf", PERF, 'fp16 autocast (no GradScaler) for the bf16 run', 45,
+     [
+      ('with annotate("forward", device), autocast(args.precision, device):',
+       'with annotate("forward", device), torch.autocast(device.type, dtype=torch.float16, enabled=args.precision == "bf16"):')]),
     # ---- the performance job file ------------------------------------------------------
     ("perf-sbatch", PERF_SBATCH, "nsys on every run", 48,
      [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
@@ -560,6 +607,14 @@ MISTAKES = [
      [(" --force-overwrite=true", "")]),
     ("perf-sbatch", PERF_SBATCH, "the report in the submit folder", 48,
      [('-o "$OUT_DIR/nsys"', "-o nsys")]),
+    ("perf-sbatch", PERF_SBATCH, 'PROFILER as one string', 48,
+     [
+      ('    PROFILER=(nsys profile -t "${NSYS_TRACE:-cuda,nvtx,nccl}" -o "$OUT_DIR/nsys" --force-overwrite=true)',
+       '    PROFILER="nsys profile -t ${NSYS_TRACE:-cuda,nvtx,nccl} -o $OUT_DIR/nsys --force-overwrite=true"')]),
+    ("perf-sbatch", PERF_SBATCH, 'nsys put before srun (profiles srun, not the training)', 48,
+     [
+      ('srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\\n    "${PROFILER[@]}" python -u',
+       '"${PROFILER[@]}" srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" \\\n    python -u')]),
     # ---- collectives (issue 20) --------------------------------------------------------
     ("collectives", COLL, "the ring turned the wrong way round", 49,
      [("right, left = (rank + 1) % n, (rank - 1) % n", "right, left = (rank - 1) % n, (rank + 1) % n")]),
@@ -796,6 +851,23 @@ MESSAGES = {
     "the port is 20000 + the whole job id": ("outside 1024-65535", "% 10000"),
     "srun without --cpus-per-task": ('--cpus-per-task="$SLURM_CPUS_PER_TASK"',),
     "--nproc_per_node=4 written out": ("NPROC_PER_NODE=2", '--nproc_per_node="$NPROC_PER_NODE"'),
+    "the split made with the local rank (the stage with the global)": (
+        "as for the PipelineStage",),
+    "microbatch size given as the number of microbatches": ("the number of microbatches",),
+    "the loss_fn given to the last stage's schedule only": ("no loss_fn", "on every rank"),
+    "samplers with num_replicas=1 but rank=rank": ("Invalid rank 1",),
+    "DCP state_dict nested under 'model'": ("'model.'", "dcp.save(model.state_dict()"),
+    "torch.cuda.synchronize() with no device test": ("synchronize(device) from utils.metrics",),
+    "tokens/s per rank, MFU per device (right)": ("interval_tokens += x.numel() * world_size",),
+    "the interval clock started once, before the epochs (evaluation counted)": (
+        "the first after an evaluation", "start the interval with each epoch"),
+    "tokens/s cumulative since the epoch began (no reset after a report)": (
+        "after each report",),
+    "fp16 autocast (no GradScaler) for the bf16 run": ("float16", "GradScaler"),
+    "PROFILER as one string": ("bash array", '"${PROFILER[@]}"'),
+    "nsys put before srun (profiles srun, not the training)": ("inside the srun line",),
+    "evaluation without the training autocast": ("outside any autocast",
+                                                 "autocast(precision, device)"),
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -852,6 +924,13 @@ CORRECT = [
      [("    owned = stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]",
        "    per = len(model.layers) // num_stages\n"
        "    owned = range(stage_index * per, (stage_index + 1) * per)")]),
+    ("pp", PP, "evaluation under torch.autocast written out",
+     [("        with autocast(precision, device):  # the dtypes the stages send in training\n",
+       "        with torch.autocast(device.type, dtype=torch.bfloat16,\n"
+       "                            enabled=precision == \"bf16\"):\n")]),
+    ("perf", PERF, "the torch docs' profiler window wait=1 warmup=1 active=3",
+     [("PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 2, 3",
+       "PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3")]),
     ("perf", PERF, "fused=True everywhere",
      [('fused=device.type == "cuda")', "fused=True)")]),
     ("perf", PERF, "ranges named otherwise",

@@ -119,6 +119,9 @@ KNOWN_CAUSES = [
     (r"Cannot access accelerator device when none is available",
      "pinned host memory needs a GPU, and CPUOffloadPolicy() pins by default: "
      "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())"),
+    (r"Torch not compiled with CUDA enabled",
+     "a torch.cuda call on a CPU (torch.cuda.synchronize()?): synchronize(device) from "
+     "utils.metrics waits for a GPU only where there is one: it does nothing on a CPU"),
     (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
      "tensor shapes do not fit: a layer split or kept where it should not be"),
 ]
@@ -546,6 +549,11 @@ def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how
             first = f"it has no {missing.group(1)} (no stage saved it)"
         hint = (" (its keys start with 'module.': save the model inside the DDP wrapper, "
                 "save0(model, path) unwraps it)" if "module." in str(e) else "")
+        prefix = saved_key_prefix(path) if missing and not hint else None
+        if prefix:  # the whole model's keys, under another name: a state dict inside a dict
+            first = (f"its keys start with '{prefix}' ({prefix}layers.0...): save the state "
+                     "dict itself, dcp.save(model.state_dict(), checkpoint_id=folder), not a "
+                     "dict around it")
         rep.fail(todo, f"{name} does not load into a plain TransformerLM: {first}{hint}")
         return
     theirs = load_weights(ref.out / ref_name, ref.summary["model_config"])
@@ -553,6 +561,20 @@ def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how
         rep.ok(todo, f"{name} loads into a plain model and holds the single-process weights")
     else:
         rep.fail(todo, f"{name} loads, but its weights differ from the single-process run")
+
+
+def saved_key_prefix(path) -> str | None:
+    """'model.' when every key of a DCP folder is a plain model's key behind that prefix."""
+    if not path.is_dir():
+        return None
+    try:
+        from torch.distributed.checkpoint import FileSystemReader
+        keys = list(FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    except Exception:  # noqa: BLE001 - no metadata to read: no hint
+        return None
+    m = [re.match(r"(.+?\.)(?:tok_emb|pos_emb|layers|norm|output)\.", k) for k in keys]
+    prefixes = {x.group(1) for x in m if x}
+    return prefixes.pop() if len(prefixes) == 1 and all(m) else None
 
 
 def check_eval_exact(ctx, run, todo, hint):

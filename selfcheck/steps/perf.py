@@ -137,18 +137,23 @@ def check_reports(ctx, run) -> None:
         rep.fail(42, f"step {s} reports {t:g} tokens/s and MFU {m}%: MFU is rate * "
                  "flops_per_tok / (peak * world_size), between 0 and 100 %")
         return
-    ratios = [m / 100 / (t * flops / (PEAK_FLOPS * world)) for _, t, m in reports if t > 0]
-    ratio = statistics.median(ratios)
-    if not near(ratio, 1.0, 0.05, 0.0) and not all(
-            abs(m / 100 - t * flops / (PEAK_FLOPS * world)) < 0.0006 for _, t, m in reports):
-        how = (f"MFU comes out {ratio:.2g} x the formula's" +
-               (f": divide by the peak of all {world} devices, peak * world_size" if near(
-                   ratio, world, 0.05) else ""))
-        rep.fail(42, f"{how} (MFU = tokens/s x {flops:.3g} FLOPs per token / ({PEAK_FLOPS:.3g} "
-                 f"FLOP/s x {world} devices))")
-        return
-    # tokens/s against the clock: the time between two step lines, the tokens of its steps
+    # tokens/s first: a rate of one rank with MFU over one device's peak gives the right MFU,
+    # and fixing the MFU alone would make it wrong. The course monitor's line of the same step
+    # measures the same interval (utils/monitor.py): the script's rate should agree with it.
     monitor = r0.get("monitor_lines", [])
+    theirs = {int(STEP.search(l).group(1)): number(*RATE.search(l).groups(default=""))
+              for l in monitor if STEP.search(l) and RATE.search(l)}
+    agree = [(s, t / theirs[s]) for s, t, _ in reports if theirs.get(s)]
+    if len(agree) >= 3 and not all(0.75 <= q <= 1.33 for _, q in agree):
+        qs = [q for _, q in agree]
+        step, q = next((s, q) for s, q in agree if not 0.75 <= q <= 1.33)
+        one_rank = all(abs(q * world - 1) < 0.15 for q in qs)
+        how = ("count the tokens of all ranks, interval_tokens += x.numel() * world_size"
+               if one_rank else "the rate of the interval since the last report: after each "
+               "report, interval_tokens, interval_start = 0, time.perf_counter()")
+        rep.fail(42, f"step {step} prints {q:.2g} x the tokens/s of the course monitor's line "
+                 f"for the same step: {how}")
+        return
     prints = [p for p in r0.get("prints", []) if STEP.search(p["text"]) and RATE.search(p["text"])
               and not any(m and m in p["text"] for m in monitor)]
     tokens_per_step = BATCH * world * SEQ_LEN
@@ -160,13 +165,58 @@ def check_reports(ctx, run) -> None:
             continue  # across an evaluation: not training time
         rate = number(*RATE.search(b["text"]).groups(default=""))
         seen.append(rate * (b["t"] - a["t"]) / ((sb - sa) * tokens_per_step))
+    # the last rate of an epoch against the clock from its first report to its last: a rate
+    # of one rank stays 1/world_size there, a rate never reset (an average since the epoch
+    # began) comes near the truth
+    spans = []
+    for epoch in sorted({(int(STEP.search(p["text"]).group(1)) - 1) // per_epoch for p in prints}):
+        mine = [p for p in prints if (int(STEP.search(p["text"]).group(1)) - 1) // per_epoch
+                == epoch]
+        if len(mine) >= 3 and mine[-1]["t"] > mine[0]["t"]:
+            first, last = (int(STEP.search(p["text"]).group(1)) for p in (mine[0], mine[-1]))
+            rate = number(*RATE.search(mine[-1]["text"]).groups(default=""))
+            spans.append(rate * (mine[-1]["t"] - mine[0]["t"]) / ((last - first)
+                                                                  * tokens_per_step))
     if len(seen) >= 3:
         factor = statistics.median(seen)
+        span = statistics.median(spans) if spans else factor
         if not 0.6 <= factor <= 1.6:
+            how = ("count the tokens of all ranks, interval_tokens += x.numel() * world_size"
+                   if abs(factor * world - 1) < 0.25 and abs(span * world - 1) < 0.25 else
+                   "the rate of each interval between two reports: after each report, "
+                   "interval_tokens, interval_start = 0, time.perf_counter()")
             rep.fail(42, f"the tokens/s printed are {factor:.2g} x the tokens trained per second "
-                     f"({tokens_per_step} tokens per step on {world} ranks): count the tokens of "
-                     "all ranks, interval_tokens += x.numel() * world_size")
+                     f"({tokens_per_step} tokens per step on {world} ranks): {how}")
             return
+    # the first report after an evaluation: its interval must start after the evaluation
+    # (the clock restarted with the epoch), not at the report before it
+    evaluated = [p for p in r0.get("prints", []) if "validation" in p["text"].lower()]
+    for v in evaluated:
+        before = [p for p in prints if p["t"] < v["t"]]
+        after = [p for p in prints if p["t"] > v["t"]]
+        if not before or not after:
+            continue
+        a, b = before[-1], after[0]
+        sa, sb = int(STEP.search(a["text"]).group(1)), int(STEP.search(b["text"]).group(1))
+        rate = number(*RATE.search(b["text"]).groups(default=""))
+        if rate <= 0 or sb <= sa:
+            continue
+        interval = (sb - sa) * tokens_per_step / rate
+        if interval > (b["t"] - v["t"]) + 0.5 * (v["t"] - a["t"]):
+            rep.fail(42, f"the tokens/s of step {sb}, the first after an evaluation, count the "
+                     "evaluation's time too: start the interval with each epoch, "
+                     "interval_tokens, interval_start = 0, time.perf_counter() before its loop")
+            return
+    ratios = [m / 100 / (t * flops / (PEAK_FLOPS * world)) for _, t, m in reports if t > 0]
+    ratio = statistics.median(ratios)
+    if not near(ratio, 1.0, 0.05, 0.0) and not all(
+            abs(m / 100 - t * flops / (PEAK_FLOPS * world)) < 0.0006 for _, t, m in reports):
+        how = (f"MFU comes out {ratio:.2g} x the formula's" +
+               (f": divide by the peak of all {world} devices, peak * world_size" if near(
+                   ratio, world, 0.05) else ""))
+        rep.fail(42, f"{how} (MFU = tokens/s x {flops:.3g} FLOPs per token / ({PEAK_FLOPS:.3g} "
+                 f"FLOP/s x {world} devices))")
+        return
     # (synchronize: judged on the stand-in GPU, where the script's cuda branches run: see
     # check_on_a_gpu)
     if not rep.failed(42):
@@ -210,14 +260,19 @@ def check_profiler(ctx, run, short, profiling) -> set:
                    if n.startswith("ProfilerStep#"))
     tables = run.ranks[0].get("tables", [])
     printed = any(t["first_line"] and t["first_line"] in run.outputs[0] for t in tables)
-    if steps != [3, 4, 5]:
-        rep.fail(43, f"the trace holds steps {steps or 'none'}, the window is 3 to 5 (skip 1, "
-                 "warm up 2, record 3): call profiler.step() once after every training step")
+    # the window the script's own constants describe (the shipped 1, 2, 3: steps 3 to 5)
+    wait, warmup, active = run.ranks[0].get("profile_window") or (1, 2, 3)
+    window = list(range(wait + warmup, wait + warmup + active))
+    if steps != window:
+        rep.fail(43, f"the trace holds steps {steps or 'none'}, the window is {window[0]} to "
+                 f"{window[-1]} (skip {wait}, warm up {warmup}, record {active}): call "
+                 "profiler.step() once after every training step")
     elif not printed:
         rep.fail(43, "after profiler.stop(), print0 the operator table: "
                  "profiler.key_averages().table(sort_by=..., row_limit=12)")
     else:
-        rep.ok(43, "each rank writes a trace of steps 3-5, and the operator table is printed")
+        rep.ok(43, f"each rank writes a trace of steps {window[0]}-{window[-1]}, and the "
+               "operator table is printed")
     if short.crashed and (vocab_of(short) or 0) < (vocab_of(run) or 0):
         return names  # a vocabulary padded down to nothing: TODO 60 says so
     if short.crashed:
@@ -283,6 +338,10 @@ def check_precision(ctx, run, fast, ref) -> None:
         rep.fail(45, f"the weights are {', '.join(sorted(dtypes))}: keep them float32 (the "
                  "optimizer needs the precision) and run the forward pass under "
                  "autocast(args.precision, device), not model.to(torch.bfloat16)")
+    elif "float16" in r.get("forward_dtypes", []) and "bfloat16" not in r.get(
+            "forward_dtypes", []):
+        rep.fail(45, "the bf16 run computes in float16: autocast(args.precision, device) "
+                 "gives bfloat16 (float16's small range needs a GradScaler, bf16 none)")
     elif not any(autocast) or "bfloat16" not in r.get("forward_dtypes", []):
         rep.fail(45, "the bf16 run computes in fp32: run the forward pass and the loss under "
                  "autocast(args.precision, device)")

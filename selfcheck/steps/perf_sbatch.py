@@ -47,7 +47,14 @@ def check(ctx) -> None:
         rep.attempt(48)
         return
     if not runs:
-        if nsys.returncode:
+        glued = [w for r in nsys.of("srun") for w in r["args"]
+                 if w.split()[:1] == ["nsys"] and len(w.split()) > 1]
+        if glued:  # a string, not an array: "${PROFILER[@]}" is then one word, one program
+            rep.attempt(48)
+            rep.fail(48, f"srun got `{glued[0]}` as one word, a program of that name: "
+                     "PROFILER=(nsys profile ...) as a bash array, so that "
+                     "\"${PROFILER[@]}\" gives one word per option")
+        elif nsys.returncode:
             stopped(ctx, nsys, 48)
         else:
             rep.fail(48, "with NSYS=1 srun does not start nsys: PROFILER=(nsys profile ...), then "
@@ -57,7 +64,13 @@ def check(ctx) -> None:
     words = runs[0]["args"]
     trace = option(words, "-t", "--trace") or ""
     report = option(words, "-o", "--output") or ""
-    if words[:1] != ["profile"] or "python" not in words or "--max-steps" not in words:
+    launcher = next((w for w in words if w.rsplit("/", 1)[-1] in ("srun", "mpirun", "torchrun")),
+                    None)
+    if launcher:
+        rep.fail(48, f"nsys runs {launcher}, not the training (it profiles the launcher on one "
+                 "node only): nsys goes inside the srun line, after srun's options and before "
+                 "python: srun ... \"${PROFILER[@]}\" python -u \"$SCRIPT\" ...")
+    elif words[:1] != ["profile"] or "python" not in words or "--max-steps" not in words:
         rep.fail(48, f"nsys got `{' '.join(words)}`: nsys profile [its options] python -u "
                  "\"$SCRIPT\" \"${ARGS[@]}\"")
     elif not {"cuda", "nvtx"} <= set(trace.split(",")):

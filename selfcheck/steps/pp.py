@@ -1,8 +1,9 @@
 """Step 4, train/pp_training.py (TODOs 34-40): pipeline parallelism, one stage per rank.
 
 Your script runs as two nodes with one process each (stage index = global rank, so a local
-rank in its place shows), with 2 microbatches, next to the DDP solution in one process with the
-same batch. The check looks at what every stage holds, how each calls the schedule, where the
+rank in its place shows), with 2 microbatches of 4 (a count and a size that differ, so one in
+the other's place shows), next to the DDP solution in one process with the same batch. An epoch
+is the run's 5 steps. The check looks at what every stage holds, how each calls the schedule, where the
 logged loss comes from, and the checkpoints and evaluation.
 """
 
@@ -19,8 +20,11 @@ WHAT = "pipeline parallelism: stages, schedules, DCP"
 TODOS = {34: "split_pipeline_stage", 35: "samplers: one replica", 36: "stage and schedules",
          37: "schedule.step", 38: "loss from the last stage", 39: "DCP save",
          40: "evaluation through the pipeline"}
-BATCH = 4
-SHORT = ["--max-steps", "8"]  # microbatches add up in another order; Adam amplifies it
+BATCH = 8
+MICROBATCHES = 2
+# One epoch (5 steps): microbatches add up in another order, and Adam amplifies it; a training
+# step after a pipeline evaluation differs more on the first stage (not judged, as yet).
+SHORT = ["--max-steps", "5"]
 
 
 def check(ctx) -> None:
@@ -28,7 +32,7 @@ def check(ctx) -> None:
     ref = Run(ctx.work, "reference", ctx.root / "solutions/train/to_distributed_training.py",
               BATCH, extra=SHORT, reference=True)
     run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES,
-              extra=["--microbatches", "2", "--schedule", "1f1b", *SHORT])
+              extra=["--microbatches", str(MICROBATCHES), "--schedule", "1f1b", *SHORT])
     ref.wait(), run.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
@@ -49,8 +53,11 @@ def check(ctx) -> None:
                               made_is_attempt=False)
         check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
                          made_is_attempt=False)
-    if staged:
+    if staged and not ctx.extra.get("pp_crash_explained"):
         check_schedule_calls(ctx, run)
+    if run.crashed and ctx.extra.get("pp_crash_explained"):
+        rep.note(f"(full output: {run.dir / 'output.txt'})")  # the FIX line above says why
+        return
     if run.crashed:
         report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
@@ -68,6 +75,7 @@ def check(ctx) -> None:
     evals = [c for r in records for c in r.get("schedule_calls", []) if c["kind"] == "eval"]
     if evals:
         rep.attempt(40)
+    check_eval_calls(ctx, run)
     if near(s["val_loss"], ref.summary["val_loss"]) and near(s["test_loss"],
                                                              ref.summary["test_loss"]):
         rep.ok(40, "validation and test losses equal the single-process run")
@@ -112,22 +120,36 @@ def check_split(ctx, run, n_layers) -> bool:
     world = len(records)
     want_layers = [list(range(i * n_layers // world, (i + 1) * n_layers // world))
                    for i in range(world)]
+    # the stage each rank asked split_pipeline_stage for: the function is judged by what it was
+    # asked, the index given to it (TODO 36) by the PipelineStage's
+    asked = [split_index(r) for r in records]
+    stage_of = [[st["stage_index"] for st in r.get("stages", [])] for r in records]
+    other = [(rank, a, st[0]) for rank, (a, st) in enumerate(zip(asked, stage_of, strict=True))
+             if a is not None and len(st) == 1 and a != st[0]]
+    if other:
+        rank, a, st = other[0]
+        rep.fail(36, f"rank {rank} split the model as stage {a} but built PipelineStage "
+                 f"{st}: split_pipeline_stage(model, stage_index, num_stages, "
+                 "args.layers_per_stage), the stage index from the global rank, as for the "
+                 "PipelineStage")
+        ctx.extra["pp_crash_explained"] = True
     problems = []
     for rank, r in enumerate(records):
         parts = r["parts"]
-        first, last = rank == 0, rank == world - 1
-        if r["layers"] != want_layers[rank]:
-            problems.append(f"stage {rank} holds blocks {r['layers']}, expected "
-                            f"{want_layers[rank]}")
+        stage = asked[rank] if asked[rank] is not None and 0 <= asked[rank] < world else rank
+        first, last = stage == 0, stage == world - 1
+        if r["layers"] != want_layers[stage]:
+            problems.append(f"stage {stage} holds blocks {r['layers']}, expected "
+                            f"{want_layers[stage]}")
         for name in ("tok_emb", "pos_emb"):
             if parts[name] != first:
-                problems.append(f"stage {rank} {'lacks' if first else 'keeps'} {name} (only the "
+                problems.append(f"stage {stage} {'lacks' if first else 'keeps'} {name} (only the "
                                 "first stage embeds)")
         for name in ("norm", "output"):
             if parts[name] != last:
-                problems.append(f"stage {rank} {'lacks' if last else 'keeps'} {name} (only the "
+                problems.append(f"stage {stage} {'lacks' if last else 'keeps'} {name} (only the "
                                 "last stage has the final norm and output layer)")
-    stage_of = [st["stage_index"] for r in records for st in r.get("stages", [])]
+    stage_of = [i for st in stage_of for i in st]
     if len(stage_of) == world and stage_of != list(range(world)):
         return True  # the stage index is wrong (TODO 36): the split follows from it
     if problems:
@@ -138,15 +160,28 @@ def check_split(ctx, run, n_layers) -> bool:
     return True
 
 
+def split_index(record) -> int | None:
+    """The stage index the rank gave split_pipeline_stage (its second argument)."""
+    calls = record.get("own_calls", {}).get("split_pipeline_stage", [])
+    if not calls:
+        return None
+    args, kwargs = calls[0]["args"], calls[0]["kwargs"]
+    index = args[1] if len(args) > 1 else kwargs.get("stage_index")
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
 def check_stages(ctx, run) -> bool:
     rep = ctx.report
     records = run.ranks
     stages = [r.get("stages", []) for r in records]
-    schedules = [r.get("schedules", []) for r in records]
+    # the schedules the script built (not the one the course builds to draw the theory's)
+    schedules = [[s for s in r.get("schedules", []) if not s.get("by_course")] for r in records]
     if not any(stages):
         if records[0].get("ddp") and ctx.status.get(36) == "edited":
             rep.fail(36, "DDP still wraps the model: a pipeline stage replaces it")
         return False
+    if any(r.get("error") and not st for r, st in zip(records, stages, strict=True)):
+        return False  # a rank stopped before it built its stage: the crash says where
     rep.attempt(36)
     problems = []
     stage_of = [s["stage_index"] for st in stages for s in st]
@@ -162,14 +197,27 @@ def check_stages(ctx, run) -> bool:
                             f"({[s['num_stages'] for s in st]} stages): one per rank, "
                             "PipelineStage(model, stage_index, num_stages, device)")
             break
-        kinds = {s["kind"]: s for s in sc}
+        kinds = {}
+        for s in sc:
+            kinds.setdefault(s["kind"], s)
         if "Schedule1F1B" not in kinds:
             problems.append(f"--schedule 1f1b built {sorted(kinds) or 'no schedule'}: "
                             "build_schedule(args.schedule, stage, args.microbatches, lm_loss)")
             break
-        if kinds["Schedule1F1B"]["microbatches"] != 2:
-            problems.append(f"--microbatches 2 built a schedule of "
-                            f"{kinds['Schedule1F1B']['microbatches']}")
+        if kinds["Schedule1F1B"]["microbatches"] != MICROBATCHES:
+            problems.append(f"--microbatches {MICROBATCHES} (of {BATCH // MICROBATCHES} "
+                            f"sequences each) built a schedule of "
+                            f"{kinds['Schedule1F1B']['microbatches']} microbatches: "
+                            "build_schedule(args.schedule, stage, args.microbatches, lm_loss), "
+                            "the number of microbatches, not their size")
+            break
+        if not kinds["Schedule1F1B"]["loss_fn"]:
+            problems.append(f"rank {rank}'s training schedule has no loss_fn: torch runs no "
+                            "backward for a schedule without one, so this stage never sends "
+                            "or receives gradients; build_schedule(args.schedule, stage, "
+                            "args.microbatches, lm_loss) on every rank (only the last stage "
+                            "calls it)")
+            ctx.extra["pp_crash_explained"] = True
             break
         if "ScheduleGPipe" not in kinds or kinds["ScheduleGPipe"]["loss_fn"] != "lm_loss_sum":
             problems.append("no evaluation schedule: eval_schedule = build_schedule('gpipe', "
@@ -182,7 +230,7 @@ def check_stages(ctx, run) -> bool:
                         "idle_history.append(timer.idle_fraction()) after it")
     if problems:
         rep.fail(36, problems[0])
-    else:
+    elif not rep.failed(36):
         idle = summary.get("idle_fraction_per_stage")
         rep.ok(36, f"{len(records)} stages, a 1F1B schedule for training and GPipe for "
                "evaluation" + (f"; measured idle share per stage "
@@ -218,6 +266,36 @@ def check_schedule_calls(ctx, run) -> None:
 
 
 
+
+
+def check_eval_calls(ctx, run) -> None:
+    """TODO 40: schedule.eval under the autocast of schedule.step, and training mode after."""
+    rep = ctx.report
+    for rank, r in enumerate(run.ranks):
+        calls = [c for c in r.get("schedule_calls", [])
+                 if not c.get("by_course") and not c.get("inside_eval")]
+        steps = [c for c in calls if c["kind"] == "step" and "autocast" in c]
+        evals = [c for c in calls if c["kind"] == "eval" and "autocast" in c]
+        if steps and evals and any(c["autocast"] != steps[0]["autocast"] for c in evals):
+            ev = next(c["autocast"] for c in evals if c["autocast"] != steps[0]["autocast"])
+            rep.fail(40, f"rank {rank} runs schedule.eval {describe_autocast(ev)}, "
+                     f"schedule.step {describe_autocast(steps[0]['autocast'])}: with "
+                     "autocast(precision, device): around schedule.eval too (in bf16 a stage "
+                     "sends other dtypes than in training, and the pipeline stops)")
+            return
+        first_eval = next((i for i, c in enumerate(calls) if c["kind"] == "eval"), None)
+        if first_eval is not None and any(c["kind"] == "step" and not c.get("training", True)
+                                          for c in calls[first_eval:]):
+            rep.fail(40, f"rank {rank} trains in eval mode after an evaluation: model.train() "
+                     "at the end of evaluate")
+            return
+
+
+def describe_autocast(state) -> str:
+    open_, dtype = state
+    if dtype:
+        return f"under autocast in {dtype}"
+    return "under autocast(...)" if open_ else "outside any autocast"
 
 
 HINTS = {
