@@ -258,8 +258,14 @@ class Probe:
             wrap(du, name, before=called(name, group_size=group_size))
         for name in ("print0", "save0", "barrier", "gather_per_rank"):
             wrap(du, name, before=called(name))
-        for name in ("save_full_model", "save_sharded_model", "load_sharded_model"):
+        for name in ("save_full_model", "save_sharded_model", "load_sharded_model",
+                     "resume_checkpoint"):
             wrap(ck, name, before=called(name))
+
+        def batches_per_epoch(*a, **k):  # samples or batches? (a resume at an epoch's end)
+            return k.get("batches_per_epoch", a[2] if len(a) > 2 else None)
+        wrap(ck, "resume_position", before=called("resume_position",
+                                                  batches_per_epoch=batches_per_epoch))
 
         def destroying(name):  # the model's last state, while its meshes' groups still exist
             def before(*a, **k):

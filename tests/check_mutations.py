@@ -220,6 +220,15 @@ MISTAKES = [
     ("fsdp", FSDP, "save_full_model on rank 0 only", 22,
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    if rank == 0:\n        save_full_model(model, out_dir / "final_model.pt")')]),
+    ("fsdp", FSDP, "the global batch saved as one rank's batch", 20,
+     [("global_batch=global_batch, best_val=best_val", "global_batch=args.batch_size, best_val=best_val")]),
+    ("fsdp", FSDP, "resume_position given the samples per epoch", 21,  # wrong at an epoch's end only
+     [("len(train_loader), args.max_steps)", "len(train_ds), args.max_steps)")]),
+    ("fsdp", FSDP, "--resume taken as the folder, without resume_checkpoint", 21,
+     [('resume = resume_checkpoint(args.resume, out_dir / "checkpoints")', "resume = args.resume")]),
+    ("fsdp", FSDP, "loss_history restored as floats", 21,
+     [('loss_history = [torch.tensor(loss, device=device) for loss in train_state["loss_history"]]',
+       'loss_history = train_state["loss_history"]')]),
     # ---- TP ----------------------------------------------------------------------------
     ("tp", TP, "loss_parallel not imported", 23,
      [("from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,\n"
@@ -696,6 +705,16 @@ MESSAGES = {
     "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
     "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+    "the global batch saved as one rank's batch": ("args.batch_size * world_size",),
+    "resume_position given the samples per epoch": ("len(train_loader)",),
+    "--resume taken as the folder, without resume_checkpoint": ("resume_checkpoint(args.resume",),
+    "loss_history restored as floats": ("torch.tensor(loss, device=device)",),
+}
+
+# Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
+# only TODOs that may have one.
+ONLY_FIXED = {
+    "the global batch saved as one rank's batch": {20},
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -733,6 +752,13 @@ CORRECT = [
        "    for _, block in model.layers.named_children():\n")]),
     ("tp", TP, "apply_tp without reassigning the model",
      [('    model = apply_tp(model, mesh["tp"])\n', '    apply_tp(model, mesh["tp"])\n')]),
+    ("fsdp", FSDP, "resume_position with keywords and the batches counted apart",
+     [("        step, start_epoch, start_batch = resume_position(train_state, global_batch,\n"
+       "                                                         len(train_loader), args.max_steps)",
+       "        batches = len(train_loader)\n"
+       "        step, start_epoch, start_batch = resume_position(\n"
+       "            train_state, global_batch=global_batch, batches_per_epoch=batches,\n"
+       "            max_steps=args.max_steps)")]),
     ("tp", TP, "the TP imports merged",
      [("from torch.distributed.tensor import Replicate\n", ""),
       ("from torch.distributed.tensor import DTensor\n",
