@@ -327,6 +327,24 @@ MISTAKES = [
     ("tp", TP, "no reshard after evaluation", 33,
      [("    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n",
        "")]),
+    ("tp", TP, "the MLP's projections the other way round", 24,
+     [('"mlp.in_proj": ColwiseParallel(),', '"mlp.in_proj": RowwiseParallel(),'),
+      ('"mlp.out_proj": RowwiseParallel(),', '"mlp.out_proj": ColwiseParallel(),')]),
+    ("tp", TP, "k_proj left out of the plan", 24,
+     [('            "attn.k_proj": ColwiseParallel(),   # (the model\'s view(b, t, -1, head_dim)\n', "")]),
+    ("tp", TP, "the embedding's input not replicated", 24,
+     [('"tok_emb": RowwiseParallel(input_layouts=Replicate()),', '"tok_emb": RowwiseParallel(),')]),
+    ("tp", TP, "--tp defaults to LOCAL_WORLD_SIZE without a fallback", 25,
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       'default=int(os.environ["LOCAL_WORLD_SIZE"]),')]),
+    ("tp", TP, "the mesh's names the other way round", 26,
+     [('mesh_dim_names=("dp", "tp"))', 'mesh_dim_names=("tp", "dp"))')]),
+    ("tp", TP, "dp_group from the tp dim", 26,
+     [('dp_group = mesh["dp"].get_group()', 'dp_group = mesh["tp"].get_group()')]),
+    ("tp", TP, "local_params from the DTensors' global sizes", 28,
+     [("local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())",
+       "local_params = sum(p.numel() for p in model.parameters())")]),
     # ---- PP ----------------------------------------------------------------------------
     ("pp", PP, "the last stage keeps pos_emb", 34,
      [("        model.tok_emb = model.pos_emb = None", "        model.tok_emb = None")]),
@@ -709,12 +727,22 @@ MESSAGES = {
     "resume_position given the samples per epoch": ("len(train_loader)",),
     "--resume taken as the folder, without resume_checkpoint": ("resume_checkpoint(args.resume",),
     "loss_history restored as floats": ("torch.tensor(loss, device=device)",),
+    "the embedding's input not replicated": ("input_layouts=Replicate()",),
+    "--tp defaults to LOCAL_WORLD_SIZE without a fallback": ("os.environ.get('LOCAL_WORLD_SIZE', 1)",),
+    "the mesh's names the other way round": ("mesh_dim_names=('dp', 'tp')",),
+    "dp_group from the tp dim": ("mesh['dp'].get_group()",),
+    "local_params from the DTensors' global sizes": ("to_local().numel()",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
     "the global batch saved as one rank's batch": {20},
+    "the MLP's projections the other way round": {24},
+    "k_proj left out of the plan": {24},
+    "the embedding's input not replicated": {24},
+    "the mesh's names the other way round": {26},
+    "dp_group from the tp dim": {26},
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -752,6 +780,16 @@ CORRECT = [
        "    for _, block in model.layers.named_children():\n")]),
     ("tp", TP, "apply_tp without reassigning the model",
      [('    model = apply_tp(model, mesh["tp"])\n', '    apply_tp(model, mesh["tp"])\n')]),
+    ("tp", TP, "dp_group asked from the whole mesh by name",
+     [('dp_group = mesh["dp"].get_group()', 'dp_group = mesh.get_group("dp")')]),
+    ("tp", TP, "local_params with hasattr(p, 'to_local')",
+     [("local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())",
+       "local_params = sum((p.to_local() if hasattr(p, 'to_local') else p).numel()\n"
+       "                   for p in model.parameters())")]),
+    ("tp", TP, "the embedding's output layout spelled out",
+     [('"tok_emb": RowwiseParallel(input_layouts=Replicate()),',
+       '"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),')]),
     ("fsdp", FSDP, "resume_position with keywords and the batches counted apart",
      [("        step, start_epoch, start_batch = resume_position(train_state, global_batch,\n"
        "                                                         len(train_loader), args.max_steps)",

@@ -181,7 +181,7 @@ def partly_done(source: str, done: set) -> str:
 
 @pytest.mark.parametrize("step, done", [("ddp", {1, 2, 3, 4, 5, 6}), ("ddp", {1, 2, 3, 4, 5}),
                                         ("fsdp", {17, 18, 19}), ("fsdp", {17, 18}),
-                                        ("tp", {23, 24, 25, 26}),
+                                        ("tp", {23, 24, 25, 26}), ("tp", {23, 24}),
                                         ("perf", {41, 42}), ("perf", {41, 42, 43})])
 def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path, step, done):
     rel = step_module(step).FILE
