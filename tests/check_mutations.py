@@ -220,6 +220,15 @@ MISTAKES = [
     ("fsdp", FSDP, "save_full_model on rank 0 only", 22,
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    if rank == 0:\n        save_full_model(model, out_dir / "final_model.pt")')]),
+    ("fsdp", FSDP, "the root sharded before the blocks", 18,
+     [("    for block in model.layers.values():\n"
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n", ""),
+      ("    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))\n",
+       "    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))\n"
+       "    for block in model.layers.values():\n"
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n")]),
     ("fsdp", FSDP, "the global batch saved as one rank's batch", 20,
      [("global_batch=global_batch, best_val=best_val", "global_batch=args.batch_size, best_val=best_val")]),
     ("fsdp", FSDP, "resume_position given the samples per epoch", 21,  # wrong at an epoch's end only
@@ -345,6 +354,8 @@ MISTAKES = [
      [("local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
        "                       for p in model.parameters())",
        "local_params = sum(p.numel() for p in model.parameters())")]),
+    ("tp", TP, "the blocks sharded without the dp mesh", 29,
+     [('        fully_shard(block, mesh=mesh["dp"])', "        fully_shard(block)")]),
     # ---- PP ----------------------------------------------------------------------------
     ("pp", PP, "the last stage keeps pos_emb", 34,
      [("        model.tok_emb = model.pos_emb = None", "        model.tok_emb = None")]),
@@ -723,6 +734,7 @@ MESSAGES = {
     "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
     "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+    "the root sharded before the blocks": ("fully_shard(model, ...) last",),
     "the global batch saved as one rank's batch": ("args.batch_size * world_size",),
     "resume_position given the samples per epoch": ("len(train_loader)",),
     "--resume taken as the folder, without resume_checkpoint": ("resume_checkpoint(args.resume",),
@@ -732,6 +744,7 @@ MESSAGES = {
     "the mesh's names the other way round": ("mesh_dim_names=('dp', 'tp')",),
     "dp_group from the tp dim": ("mesh['dp'].get_group()",),
     "local_params from the DTensors' global sizes": ("to_local().numel()",),
+    "the blocks sharded without the dp mesh": ("mesh=mesh['dp']",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
