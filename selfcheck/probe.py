@@ -76,6 +76,24 @@ class Probe:
         return {k: v for k, v in frame.f_locals.items()
                 if k in WATCHED_LOCALS and isinstance(v, int) and not isinstance(v, bool)}
 
+    def script_groups(self, depth: int = 2) -> dict:
+        """{name: ranks} of the process groups the script holds in local variables (dp_group:
+        which ranks it really reduces over)."""
+        import torch.distributed as dist
+        frame = sys._getframe(depth)
+        while frame is not None and frame.f_code.co_filename != self.script:
+            frame = frame.f_back
+        if frame is None or not dist.is_initialized():
+            return {}
+        found = {}
+        for k, v in frame.f_locals.items():
+            if isinstance(v, dist.ProcessGroup):
+                try:
+                    found[k] = dist.get_process_group_ranks(v)
+                except Exception:  # noqa: BLE001 - a group this rank is not in
+                    pass
+        return found
+
     def note_call(self, name: str, **extra) -> None:
         where = self.script_line(3)
         direct = sys._getframe(3).f_code.co_filename == self.script  # not via a helper
@@ -167,7 +185,8 @@ class Probe:
                 record["samplers"].append({
                     "kind": kind, "dataset": dataset_index(dataset),
                     "given": {n: v for n, v in given.items() if isinstance(v, (int, bool))},
-                    "line": where[1] if where else None, "locals": probe.script_locals(3)})
+                    "line": where[1] if where else None, "locals": probe.script_locals(3),
+                    "groups": probe.script_groups(3)})
                 probe.samplers.append(self)
             return before
 
@@ -260,8 +279,14 @@ class Probe:
             wrap(du, name, before=called(name, group_size=group_size))
         for name in ("print0", "save0", "barrier", "gather_per_rank"):
             wrap(du, name, before=called(name))
-        for name in ("save_full_model", "save_sharded_model", "load_sharded_model"):
+        for name in ("save_full_model", "save_sharded_model", "load_sharded_model",
+                     "resume_checkpoint"):
             wrap(ck, name, before=called(name))
+
+        def batches_per_epoch(*a, **k):  # samples or batches? (a resume at an epoch's end)
+            return k.get("batches_per_epoch", a[2] if len(a) > 2 else None)
+        wrap(ck, "resume_position", before=called("resume_position",
+                                                  batches_per_epoch=batches_per_epoch))
 
         def destroying(name):  # the model's last state, while its meshes' groups still exist
             def before(*a, **k):
@@ -320,7 +345,16 @@ class Probe:
                 "coords": list(mesh.get_coordinate() or [])})
         wrap(dm, "init_device_mesh", after=mesh_after)
         import torch.distributed.tensor.parallel as tpar
-        wrap(tpar, "parallelize_module", before=called("parallelize_module"))
+
+        def plan_layouts(*a, **k):
+            """{submodule: its style and the layouts it expects its input in} of a TP plan."""
+            plan = k.get("parallelize_plan", a[2] if len(a) > 2 else None)
+            if not isinstance(plan, dict):
+                return {}
+            return {str(name): {"style": type(s).__name__, "input_layouts": [
+                str(x) for x in (getattr(s, "input_layouts", None) or ()) if x is not None]}
+                for name, s in plan.items()}
+        wrap(tpar, "parallelize_module", before=called("parallelize_module", plan=plan_layouts))
         wrap(tpar, "loss_parallel", before=called("loss_parallel"))
         import torch.distributed.pipelining as pl
 
@@ -805,6 +839,12 @@ def describe_tp(m):
             "attn.q_proj.bias": 0, "attn.k_proj.bias": 0, "attn.v_proj.bias": 0,
             "mlp.in_proj.bias": 0}
     wrong, split = [], 0
+    # what each rank holds after the TP split (before FSDP's): a TP-split parameter's share
+    local = 0.0
+    for p in m.parameters():
+        names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+        tp_split = "tp" in names and p.placements[names.index("tp")].is_shard()
+        local += p.numel() / (p.device_mesh.size(names.index("tp")) if tp_split else 1)
     for name, p in m.named_parameters():
         key = name.split(".", 2)[-1] if name.startswith("layers.") else name
         dim = plan.get(key, {"tok_emb.weight": 0, "output.weight": 0,
@@ -822,7 +862,8 @@ def describe_tp(m):
         placement = p.placements[names.index("tp")]
         if placement != Shard(dim):
             wrong.append(f"{name} is {placement}, expected Shard({dim})")
-    return {"wrong": wrong, "split": split}
+    return {"wrong": wrong, "split": split, "numel": sum(p.numel() for p in m.parameters()),
+            "tp_local_numel": round(local)}
 
 
 def describe_meshes(m):

@@ -261,6 +261,24 @@ MISTAKES = [
     ("fsdp", FSDP, "save_full_model on rank 0 only", 22,
      [('    save_full_model(model, out_dir / "final_model.pt")',
        '    if rank == 0:\n        save_full_model(model, out_dir / "final_model.pt")')]),
+    ("fsdp", FSDP, "the root sharded before the blocks", 18,
+     [("    for block in model.layers.values():\n"
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n", ""),
+      ("    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))\n",
+       "    fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))\n"
+       "    for block in model.layers.values():\n"
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n")]),
+    ("fsdp", FSDP, "the global batch saved as one rank's batch", 20,
+     [("global_batch=global_batch, best_val=best_val", "global_batch=args.batch_size, best_val=best_val")]),
+    ("fsdp", FSDP, "resume_position given the samples per epoch", 21,  # wrong at an epoch's end only
+     [("len(train_loader), args.max_steps)", "len(train_ds), args.max_steps)")]),
+    ("fsdp", FSDP, "--resume taken as the folder, without resume_checkpoint", 21,
+     [('resume = resume_checkpoint(args.resume, out_dir / "checkpoints")', "resume = args.resume")]),
+    ("fsdp", FSDP, "loss_history restored as floats", 21,
+     [('loss_history = [torch.tensor(loss, device=device) for loss in train_state["loss_history"]]',
+       'loss_history = train_state["loss_history"]')]),
     # ---- TP ----------------------------------------------------------------------------
     ("tp", TP, "loss_parallel not imported", 23,
      [("from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,\n"
@@ -359,6 +377,26 @@ MISTAKES = [
     ("tp", TP, "no reshard after evaluation", 33,
      [("    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n",
        "")]),
+    ("tp", TP, "the MLP's projections the other way round", 24,
+     [('"mlp.in_proj": ColwiseParallel(),', '"mlp.in_proj": RowwiseParallel(),'),
+      ('"mlp.out_proj": RowwiseParallel(),', '"mlp.out_proj": ColwiseParallel(),')]),
+    ("tp", TP, "k_proj left out of the plan", 24,
+     [('            "attn.k_proj": ColwiseParallel(),   # (the model\'s view(b, t, -1, head_dim)\n', "")]),
+    ("tp", TP, "the embedding's input not replicated", 24,
+     [('"tok_emb": RowwiseParallel(input_layouts=Replicate()),', '"tok_emb": RowwiseParallel(),')]),
+    ("tp", TP, "--tp defaults to LOCAL_WORLD_SIZE without a fallback", 25,
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       'default=int(os.environ["LOCAL_WORLD_SIZE"]),')]),
+    ("tp", TP, "the mesh's names the other way round", 26,
+     [('mesh_dim_names=("dp", "tp"))', 'mesh_dim_names=("tp", "dp"))')]),
+    ("tp", TP, "dp_group from the tp dim", 26,
+     [('dp_group = mesh["dp"].get_group()', 'dp_group = mesh["tp"].get_group()')]),
+    ("tp", TP, "local_params from the DTensors' global sizes", 28,
+     [("local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())",
+       "local_params = sum(p.numel() for p in model.parameters())")]),
+    ("tp", TP, "the blocks sharded without the dp mesh", 29,
+     [('        fully_shard(block, mesh=mesh["dp"])', "        fully_shard(block)")]),
     # ---- PP ----------------------------------------------------------------------------
     ("pp", PP, "the last stage keeps pos_emb", 34,
      [("        model.tok_emb = model.pos_emb = None", "        model.tok_emb = None")]),
@@ -868,6 +906,28 @@ MESSAGES = {
     "nsys put before srun (profiles srun, not the training)": ("inside the srun line",),
     "evaluation without the training autocast": ("outside any autocast",
                                                  "autocast(precision, device)"),
+    "the root sharded before the blocks": ("fully_shard(model, ...) last",),
+    "the global batch saved as one rank's batch": ("args.batch_size * world_size",),
+    "resume_position given the samples per epoch": ("len(train_loader)",),
+    "--resume taken as the folder, without resume_checkpoint": ("resume_checkpoint(args.resume",),
+    "loss_history restored as floats": ("torch.tensor(loss, device=device)",),
+    "the embedding's input not replicated": ("input_layouts=Replicate()",),
+    "--tp defaults to LOCAL_WORLD_SIZE without a fallback": ("os.environ.get('LOCAL_WORLD_SIZE', 1)",),
+    "the mesh's names the other way round": ("mesh_dim_names=('dp', 'tp')",),
+    "dp_group from the tp dim": ("mesh['dp'].get_group()",),
+    "local_params from the DTensors' global sizes": ("to_local().numel()",),
+    "the blocks sharded without the dp mesh": ("mesh=mesh['dp']",),
+}
+
+# Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
+# only TODOs that may have one.
+ONLY_FIXED = {
+    "the global batch saved as one rank's batch": {20},
+    "the MLP's projections the other way round": {24},
+    "k_proj left out of the plan": {24},
+    "the embedding's input not replicated": {24},
+    "the mesh's names the other way round": {26},
+    "dp_group from the tp dim": {26},
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -916,6 +976,23 @@ CORRECT = [
        "    for _, block in model.layers.named_children():\n")]),
     ("tp", TP, "apply_tp without reassigning the model",
      [('    model = apply_tp(model, mesh["tp"])\n', '    apply_tp(model, mesh["tp"])\n')]),
+    ("tp", TP, "dp_group asked from the whole mesh by name",
+     [('dp_group = mesh["dp"].get_group()', 'dp_group = mesh.get_group("dp")')]),
+    ("tp", TP, "local_params with hasattr(p, 'to_local')",
+     [("local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())",
+       "local_params = sum((p.to_local() if hasattr(p, 'to_local') else p).numel()\n"
+       "                   for p in model.parameters())")]),
+    ("tp", TP, "the embedding's output layout spelled out",
+     [('"tok_emb": RowwiseParallel(input_layouts=Replicate()),',
+       '"tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),')]),
+    ("fsdp", FSDP, "resume_position with keywords and the batches counted apart",
+     [("        step, start_epoch, start_batch = resume_position(train_state, global_batch,\n"
+       "                                                         len(train_loader), args.max_steps)",
+       "        batches = len(train_loader)\n"
+       "        step, start_epoch, start_batch = resume_position(\n"
+       "            train_state, global_batch=global_batch, batches_per_epoch=batches,\n"
+       "            max_steps=args.max_steps)")]),
     ("tp", TP, "the TP imports merged",
      [("from torch.distributed.tensor import Replicate\n", ""),
       ("from torch.distributed.tensor import DTensor\n",

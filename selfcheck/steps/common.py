@@ -122,6 +122,11 @@ KNOWN_CAUSES = [
     (r"Torch not compiled with CUDA enabled",
      "a torch.cuda call on a CPU (torch.cuda.synchronize()?): synchronize(device) from "
      "utils.metrics waits for a GPU only where there is one: it does nothing on a CPU"),
+    # (FSDP looks for the mesh above the one its parameters are on, and finds none)
+    (r"Invariant encountered: value was None when it should not be",
+     "fully_shard met parameters already split on another mesh: shard every block before the "
+     "model (fully_shard(model, ...) last), all with the same mesh (with TP: mesh=mesh['dp'] "
+     "in every fully_shard call)"),
     (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
      "tensor shapes do not fit: a layer split or kept where it should not be"),
 ]

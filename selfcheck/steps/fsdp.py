@@ -12,12 +12,13 @@ value no evaluation can beat: a run that forgot it saves a new "best").
 from __future__ import annotations
 
 import json
+import re
 
 from selfcheck.compare import (first_difference, first_different_tensor, load_checkpoint_state,
                                near)
 from selfcheck.runs import ONE, TWO_NODES, Run
 from selfcheck.steps.common import (calls, check_eval_exact, check_imports, check_losses,
-                                    check_weights_file, report_crash)
+                                    check_weights_file, crash_todo, report_crash)
 
 FILE = "train/fsdp_training.py"
 WHAT = "FSDP2: fully_shard, sharded checkpoints, resume, full export"
@@ -96,6 +97,8 @@ def check_sharding(ctx, run, stop, ref) -> None:
     if units is None:
         if not r0.get("ddp") and not rep.failed(19) and not run.crashed:
             rep.fail(19, "the model is not sharded (no FSDP unit): model = apply_fsdp(...)")
+        if "apply_fsdp" in r0.get("defined", []) and not given:
+            rep.waits(18, "apply_fsdp is checked once TODO 19 calls it")
         return
     rep.attempt(18)
     rep.attempt(19)
@@ -198,8 +201,15 @@ def check_checkpoints(ctx, run, stop) -> None:
                  "save_sharded_model(model, optimizer, folder, train_state)")
         return
     missing = [k for k in TRAIN_STATE_KEYS if k not in state]
+    global_batch = BATCH * run.geometry.world
     if missing:
         rep.fail(20, f"train_state lacks {', '.join(missing)}: resuming needs them")
+    elif state["global_batch"] != global_batch:
+        ctx.extra["wrong_global_batch"] = True
+        rep.fail(20, f"train_state says global_batch {state['global_batch']}, the run trains "
+                 f"on {global_batch} sequences per step (--batch-size {BATCH} x "
+                 f"{run.geometry.world} ranks): global_batch=args.batch_size * world_size, the "
+                 "number resume_position compares")
     elif state["step"] != run.summary["steps"] or len(state["loss_history"]) != state["step"]:
         rep.fail(20, f"the last checkpoint says step {state['step']} with "
                  f"{len(state['loss_history'])} losses; the run ended at step "
@@ -240,13 +250,42 @@ def check_resume(ctx, stop, resumed, ref) -> None:
     if r.get("loads") or calls(resumed, "load_sharded_model") or calls(resumed, "dcp.load"):
         rep.attempt(21)
     if resumed.crashed:
-        report_crash(ctx, resumed, default_todo=21)
+        f = resumed.failure
+        if ctx.extra.get("wrong_global_batch") and f and "global batch" in f.message:
+            rep.waits(21, "resume_position refuses the checkpoint's global batch "
+                      "(fix TODO 20 above first)")
+            return
+        # the uninterrupted runs went through the same lines: what differs is what resuming
+        # restored (a missing import aside)
+        todo = crash_todo(ctx, f) if f else None
+        cause = None
+        if f and re.search(r"'(float|int|list|dict)' object has no attribute", f.message):
+            cause = ("train_state comes back from JSON, its losses as floats, and the loop's "
+                     "code expects tensors: loss_history = [torch.tensor(loss, device=device) "
+                     "for loss in train_state['loss_history']]")
+        report_crash(ctx, resumed, todo=todo if todo == 17 else 21, cause=cause)
         rep.note(f"(full output of the resumed run: {resumed.dir / 'output.txt'})")
         return
     if not (r.get("loads") or calls(resumed, "load_sharded_model")):
         rep.fail(21, "--resume DIR does not load the checkpoint: train_state = "
                  "load_sharded_model(model, optimizer, folder, cfg.to_dict()) on every rank")
         return
+    # the check passes a folder; --resume auto and a restart only work through
+    # resume_checkpoint
+    if not calls(resumed, "resume_checkpoint"):
+        rep.fail(21, "--resume is used as the folder itself: resume = resume_checkpoint("
+                 "args.resume, out_dir / 'checkpoints'), which also turns --resume auto and a "
+                 "torchrun or Slurm restart into the newest checkpoint")
+    # the check stops mid-epoch; a checkpoint of an epoch's end needs the right count to move
+    # on to the next epoch
+    n_train = (r.get("datasets") or [{}])[0].get("len")
+    batches = {n_train // (BATCH * 2), -(-n_train // (BATCH * 2))} if n_train else set()
+    for c in calls(resumed, "resume_position", rank=0)[:1]:
+        given = c.get("batches_per_epoch")
+        if isinstance(given, int) and batches and given not in batches:
+            rep.fail(21, f"resume_position gets batches_per_epoch={given}, the training "
+                     f"DataLoader has {min(batches)} batches per epoch: pass len(train_loader) "
+                     "(else a checkpoint saved at an epoch's end resumes inside that epoch)")
     mine, theirs = resumed.summary, ref.summary
     history, ref_history = mine["loss_history"], theirs["loss_history"]
     if mine["steps"] != theirs["steps"]:

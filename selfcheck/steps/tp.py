@@ -9,11 +9,14 @@ the run counts and logs, and the weights it saves.
 
 from __future__ import annotations
 
+import re
+
 from selfcheck.compare import near
 from selfcheck.runs import ONE, ONE_NODE_TWO, TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_tokens,
-                                    check_training_shards, check_weights_file, report_crash)
+                                    check_training_shards, check_weights_file, crash_todo,
+                                    report_crash)
 
 FILE = "train/tp_training.py"
 WHAT = "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"
@@ -46,21 +49,29 @@ def check(ctx) -> None:
         return
     r0 = records[0]
     check_option(ctx, run, bad, nodes)
-    check_mesh(ctx, run)
+    mesh = check_mesh(ctx, run)
     check_plan(ctx, run)
     if run.crashed:
         if r0.get("ddp") and (r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("returned"):
             report_crash(ctx, run, todo=29, cause="DDP cannot hold the DTensor parameters TP "
                          "made: fully_shard(block, mesh=mesh['dp']) for every block, then "
                          "fully_shard(model, mesh=mesh['dp']), instead of DDP")
-        report_crash(ctx, run)
+        elif rep.failed(24) and crash_todo(ctx, run.failure) != 23:
+            # a wrong plan gives the layers shapes that do not fit: its crash is no new FIX
+            report_crash(ctx, run, todo=24, cause="what the plan above does to the shapes "
+                         "(fix the plan first)")
+        else:
+            report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
         check_imports(ctx, 23, run) if not rep.failed(23) else None
         return
     check_imports(ctx, 23, run)
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
     dp = run.geometry.world // tp if tp else 1
-    if r0.get("meshes"):  # before the mesh, the samplers of the DDP script are right as they are
+    if mesh == "wrong":  # what the ranks read and count follows from the mesh
+        for todo in (27, 31, 32, 33):
+            rep.waits(todo, "it follows from the mesh (fix TODO 26 above first)")
+    elif r0.get("meshes"):  # before the mesh, the samplers of the DDP script are right as is
         check_training_shards(ctx, run, 27, 27, replicas=dp, replica_of=lambda r: r // tp,
                               made_is_attempt=False)
         check_eval_reads(ctx, run, 27, replicas=dp, replica_of=lambda r: r // tp,
@@ -68,17 +79,17 @@ def check(ctx) -> None:
     check_fsdp(ctx, run)
     split = r0.get("tp", {}).get("split")
     if split:
+        check_local_params(ctx, run)
+    if split and mesh == "wrong":
+        check_loss_parallel(ctx, run)
+        if calls(run, "save_full_model"):
+            rep.attempt(32)
+    elif split:
         check_losses(ctx, run, ref, 31)
         check_tokens(ctx, run, 31, BATCH * dp * SEQ_LEN,
                      "throughput.step(x.numel() * dp_size): the ranks of a TP group share one batch")
         check_summary(ctx, run)
-        if any(c["func"] == "main" for c in calls(run, "loss_parallel")):
-            rep.attempt(30)
-            rep.ok(30, "the loss over the split logits runs under loss_parallel")
-        else:
-            rep.fail(30, "the loss never runs under loss_parallel(): gathering the whole "
-                     "logits (full_tensor) works, but costs the memory and traffic TP saves: "
-                     "with loss_parallel(): loss = F.cross_entropy(...); loss.backward()")
+        check_loss_parallel(ctx, run)
         if calls(run, "save_full_model"):
             rep.attempt(32)
         check_weights_file(ctx, run, ref, 32, "final_model.pt", how=": save_full_model(model, "
@@ -94,8 +105,35 @@ def check(ctx) -> None:
         if not all(e["resharded"] for e in r0.get("evals", [])):
             rep.fail(33, "after evaluate() the root's gathered weights stay on every rank: "
                      "model.reshard() at the end of evaluate()")
-        check_reduction_groups(ctx, run, dp)
-        check_replicas(ctx, nodes, ref)
+        if mesh == "ok":  # (a wrong dp_group is said under TODO 26)
+            check_reduction_groups(ctx, run, dp)
+            check_replicas(ctx, nodes, ref)
+
+
+def check_loss_parallel(ctx, run) -> None:
+    rep = ctx.report
+    if any(c["func"] == "main" for c in calls(run, "loss_parallel")):
+        rep.attempt(30)
+        rep.ok(30, "the loss over the split logits runs under loss_parallel")
+    else:
+        rep.fail(30, "the loss never runs under loss_parallel(): gathering the whole "
+                 "logits (full_tensor) works, but costs the memory and traffic TP saves: "
+                 "with loss_parallel(): loss = F.cross_entropy(...); loss.backward()")
+
+
+def check_local_params(ctx, run) -> None:
+    """TODO 28: the parameters a rank reports holding are its shards, not the whole model."""
+    given = (run.summary or {}).get("params_per_rank")
+    desc = (run.ranks[0] or {}).get("tp") or {}
+    whole, mine = desc.get("numel"), desc.get("tp_local_numel")
+    if not isinstance(given, (int, float)) or not whole or not mine or \
+            abs(given - mine) <= 0.01 * whole:
+        return
+    why = ("the whole model's count: a DTensor's numel() is its global size" if given >= whole
+           else "not what this rank holds")
+    ctx.report.fail(28, f"local_params is {given:.0f}, {why}; after apply_tp rank 0 holds "
+                    f"{mine} of the {whole} parameters: count p.to_local().numel() for a "
+                    "DTensor, p.numel() for a plain tensor")
 
 
 def check_reduction_groups(ctx, run, dp) -> None:
@@ -154,6 +192,13 @@ def check_option(ctx, run, bad, nodes) -> None:
             rep.fail(25, "no --tp option")
         return
     rep.attempt(25)
+    f = bad.failure
+    key = re.search(r"KeyError: '(\w+)'", f.message) if f else None
+    if key and (ctx.todo_of(f.line) == 25 or key.group(1) in ("LOCAL_WORLD_SIZE", "WORLD_SIZE")):
+        rep.fail(25, f"a plain python run stops at line {f.line} with KeyError: "
+                 f"'{key.group(1)}': only torchrun sets it, default=int(os.environ.get("
+                 f"'{key.group(1)}', 1))")
+        return
     tp = parser.get("values", {}).get("tp")
     if tp != run.geometry.per_node:
         rep.fail(25, f"--tp defaults to {tp} with {run.geometry.per_node} processes on the node: "
@@ -180,15 +225,17 @@ def check_option(ctx, run, bad, nodes) -> None:
                  "first")
 
 
-def check_mesh(ctx, run) -> None:
-    """The mesh the script built: 2-D (dp, tp), tp the inner (fast-changing) dimension."""
+def check_mesh(ctx, run) -> str:
+    """The mesh the script built: 2-D (dp, tp), tp the inner (fast-changing) dimension.
+    "ok", "wrong" (the mesh or dp_rank/dp_size: what the ranks read and count follows), or
+    "group" (dp_group alone)."""
     rep = ctx.report
     meshes = [(r["rank"], m) for r in run.ranks if r for m in r.get("meshes", [])]
     if not meshes:
         if ctx.status.get(26) == "edited":
             rep.fail(26, "no device mesh was built: mesh = init_device_mesh(device.type, "
                      "(world_size // args.tp, args.tp), mesh_dim_names=('dp', 'tp'))")
-        return
+        return "ok"
     rep.attempt(26)
     tp = (run.ranks[0].get("parser", {}).get("values", {}) or {}).get("tp") or 2
     world = run.geometry.world
@@ -197,21 +244,26 @@ def check_mesh(ctx, run) -> None:
         if sorted(names) != ["dp", "tp"] or len(shape) != 2:
             rep.fail(26, f"the mesh has dims {names or 'without names'} of sizes {shape}: two "
                      "named dims, mesh_dim_names=('dp', 'tp')")
-            return
+            return "wrong"
         sizes = dict(zip(names, shape, strict=True))
+        if names == ["tp", "dp"] and shape == [world // tp, tp] and tp != world // tp:
+            rep.fail(26, f"the shape is right, (world_size // args.tp, args.tp) = {tuple(shape)}, "
+                     "but the names say the first dim is tp: name the dims in the shape's "
+                     "order, mesh_dim_names=('dp', 'tp')")
+            return "wrong"
         if sizes["tp"] != tp or sizes["dp"] != world // tp:
             rep.fail(26, f"the mesh is dp {sizes['dp']} x tp {sizes['tp']} with --tp {tp} on "
                      f"{world} processes: (world_size // args.tp, args.tp), in that order")
-            return
+            return "wrong"
         if names != ["dp", "tp"]:
             rep.fail(26, "tp must be the inner dim, so a TP group is neighbouring ranks on one "
                      "node: mesh_dim_names=('dp', 'tp') with shape (world_size // tp, tp)")
-            return
+            return "wrong"
         coords = m.get("coords")
         if coords and coords != [rank // tp, rank % tp]:
             rep.fail(26, f"rank {rank} sits at {coords} of the mesh, expected "
                      f"{[rank // tp, rank % tp]}")
-            return
+            return "wrong"
     # the script's dp_rank and dp_size, seen where it built its samplers
     for r in run.ranks:
         for s in (r or {}).get("samplers", []):
@@ -221,12 +273,21 @@ def check_mesh(ctx, run) -> None:
                 rep.fail(26, f"on rank {r['rank']} dp_rank is {loc['dp_rank']}, its replica is "
                          f"{want_rank}: dp_rank = mesh['dp'].get_local_rank() (not the global "
                          "rank)")
-                return
+                return "wrong"
             if loc.get("dp_size", want_size) != want_size:
                 rep.fail(26, f"dp_size is {loc['dp_size']}, the mesh has {want_size} replicas: "
                          "dp_size = mesh['dp'].size()")
-                return
+                return "wrong"
+            # the ranks holding the same shard in the other replicas: same tp index
+            group = s.get("groups", {}).get("dp_group")
+            replicas = list(range(r["rank"] % tp, world, tp))
+            if group is not None and sorted(group) != replicas:
+                rep.fail(26, f"on rank {r['rank']} dp_group holds ranks {sorted(group)}, its "
+                         f"data-parallel group is ranks {replicas} (the same place in the "
+                         "other replicas): dp_group = mesh['dp'].get_group()")
+                return "group"
     rep.ok(26, f"the mesh is dp {world // tp} x tp {tp}, tp the inner dim")
+    return "ok"
 
 
 def check_plan(ctx, run) -> None:
@@ -243,8 +304,8 @@ def check_plan(ctx, run) -> None:
             rep.fail(28, f"apply_tp gets the mesh of dims {mesh.get('names')}: give it the tp "
                      "dim only, apply_tp(model, mesh['tp'])")
             return
-    elif r0.get("meshes") and "apply_tp" in r0.get("defined", []):
-        if ctx.status.get(28) == "edited" or not run.crashed:
+    elif "apply_tp" in r0.get("defined", []):
+        if r0.get("meshes") and (ctx.status.get(28) == "edited" or not run.crashed):
             rep.fail(28, "apply_tp is never called: model = apply_tp(model, mesh['tp'])")
         rep.waits(24, "apply_tp is checked once TODO 28 calls it")
     if not (applied and applied[0].get("returned")) and not calls(run, "parallelize_module"):
@@ -255,8 +316,16 @@ def check_plan(ctx, run) -> None:
     outputs = r0.get("outputs", [])
     local = next((o for o in outputs if o["type"] != "DTensor" and o["vocab"]
                   and o["shape"][-1] < o["vocab"]), None)
+    # the token ids are whole on every rank; RowwiseParallel expects its input split (Shard(-1))
+    # unless told otherwise, and then sees a sequence tp times as long
+    emb = [style for c in calls(run, "parallelize_module", rank=0)
+           for name, style in (c.get("plan") or {}).items() if name.split(".")[-1] == "tok_emb"]
     if wrong:
         rep.fail(24, "not split as planned: " + "; ".join(wrong[:3]))
+    elif emb and emb[0]["input_layouts"] and emb[0]["input_layouts"] != ["R"]:
+        rep.fail(24, f"the embedding's input layout is {emb[0]['input_layouts'][0]}: its input, "
+                 "the token ids, is the same on every rank, so say so, 'tok_emb': "
+                 "RowwiseParallel(input_layouts=Replicate())")
     elif local:
         rep.fail(24, f"the model returns plain logits of {local['shape'][-1]} of the "
                  f"{local['vocab']} words on each rank: keep them a DTensor for loss_parallel, "
