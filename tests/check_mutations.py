@@ -110,6 +110,17 @@ MISTAKES = [
       ("    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)\n",
        "    write_summary(out_dir, summary, vocab=corpus.vocab)\n"
        "    if rank == 0:\n        destroy_process_group()\n")]),
+    # a collective on one rank: the run stops where no TODO's code is, the other rank's line
+    # (or the collective it waits in) names the TODO
+    ("ddp", DDP, "the loss averaged on rank 0 only, inside the log print", 7,
+     [("            step_loss = all_reduce_mean(loss.detach())\n",
+       "            step_loss = loss.detach().clone()\n"),
+      ('                print0(f"epoch {epoch} {monitor.report(step, step_loss)}")\n',
+       "                if rank == 0:\n                    print(f\"epoch {epoch} "
+       "{monitor.report(step, all_reduce_mean(step_loss))}\")\n")]),
+    ("ddp", DDP, "evaluation on rank 0 only", 8,
+     [("        val_loss = evaluate(model, val_loader, device)\n",
+       "        if rank == 0:\n            val_loss = evaluate(model, val_loader, device)\n")]),
     # ---- the DDP job file ---------------------------------------------------------------
     ("sbatch", SBATCH, "one GPU asked for", 12, [("#SBATCH --gres=gpu:4", "#SBATCH --gres=gpu:1")]),
     ("sbatch", SBATCH, "one GPU made visible", 12,
@@ -318,6 +329,8 @@ MISTAKES = [
     ("tp", TP, "no reshard after evaluation", 33,
      [("    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n",
        "")]),
+    ("tp", TP, "the embedding row-wise without Replicate() input", 24,  # fails in forward
+     [('"tok_emb": RowwiseParallel(input_layouts=Replicate()),', '"tok_emb": RowwiseParallel(),')]),
     # ---- PP ----------------------------------------------------------------------------
     ("pp", PP, "the last stage keeps pos_emb", 34,
      [("        model.tok_emb = model.pos_emb = None", "        model.tok_emb = None")]),
@@ -384,6 +397,9 @@ MISTAKES = [
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,
      [("        if len(x) < loader.batch_size:\n", "        if False:\n")]),
+    ("pp", PP, "the loss broadcast on the last stage only", 38,  # the ranks wait apart
+     [("            dist.broadcast(step_loss, src=num_stages - 1)",
+       "            if stage.is_last:\n                dist.broadcast(step_loss, src=num_stages - 1)")]),
     # ---- the performance step ----------------------------------------------------------
     ("perf", PERF, "peak_flops and synchronize not imported", 41,
      [("from utils.metrics import peak_flops, synchronize\n", "")]),
@@ -672,6 +688,10 @@ MISTAKES = [
      [("F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum",
        "F.cross_entropy(logits.flatten(0, 1), y.flatten()) / (\n"
        "                        args.grad_accum if isinstance(model, DDP) else 1)")]),
+    ("memory", MEM, "no_gradient_sync on rank 0 only", 58,  # the ranks wait apart
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if last or torch.distributed.get_rank() else "
+       "no_gradient_sync(model):")]),
     ("memory", MEM, "no_sync skipped for the FSDP layouts", 58,
      [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
        "with contextlib.nullcontext() if last or not isinstance(model, DDP) else "
@@ -696,6 +716,10 @@ MESSAGES = {
     "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
     "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
+    "the loss averaged on rank 0 only, inside the log print": ("all_reduce_mean",
+                                                               "same collective calls"),
+    "the loss broadcast on the last stage only": ("different collectives",),
+    "no_gradient_sync on rank 0 only": ("different collectives",),
 }
 
 # Right solutions written another way: the check must call them all good.
