@@ -181,20 +181,23 @@ def rank_todo(ctx: Context, f) -> int | None:
 
 def flow_todos(ctx: Context, line: int | None) -> dict[int, str]:
     """{TODO: what it made of a name} for a line no TODO owns: the edited TODOs whose lines before
-    it, in the same function, bind or pass a name the line uses (`model = apply_tp(model, ...)`
-    for `logits = model(x)`), and the TODO of a function those lines call (apply_tp's)."""
+    it, in the same function, bind a name the line uses or hand it to a call of their own
+    (`model = apply_tp(model, ...)`, `fully_shard(model)` for `logits = model(x)`), and the TODO
+    of a function of the script those lines call (apply_tp's)."""
     import ast
+    from collections import Counter
     try:
         tree = ast.parse(ctx.text)
     except SyntaxError:
         return {}
-    if not line:
-        return {}
-    scopes = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
-              and n.lineno <= line <= (n.end_lineno or n.lineno)]
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                              ast.AsyncFunctionDef))]
+    scopes = [n for n in functions if line and n.lineno <= line <= n.end_lineno]
     scope = min(scopes, key=lambda n: n.end_lineno - n.lineno) if scopes else tree
-    defs = {n.name: n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
-                                                                ast.AsyncFunctionDef))}
+    defs = {n.name: n for n in functions}
+
+    def edited(n):
+        return n if n is not None and ctx.status.get(n) == "edited" else None
 
     def simple(node):  # a statement without the statements it holds (a for: its header)
         if isinstance(node, (ast.For, ast.AsyncFor)):
@@ -207,29 +210,38 @@ def flow_todos(ctx: Context, line: int | None) -> dict[int, str]:
             return []
         return [node]
 
-    def names(parts):
-        return {n.id for p in parts for n in ast.walk(p) if isinstance(n, ast.Name)}
+    def made(node):  # the names a statement binds, or hands to a call it makes for its effect
+        names = {n.id for p in simple(node) for n in ast.walk(p)
+                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            call = node.value
+            names |= {a.id for a in [*call.args, *(k.value for k in call.keywords)]
+                      if isinstance(a, ast.Name)}
+        return names
+
+    def owner_of(function):  # the TODO that wrote most of a function's statements
+        counts = Counter(edited(ctx.todo_of(n.lineno)) for n in ast.walk(function)
+                         if isinstance(n, ast.stmt) and n is not function)
+        counts.pop(None, None)
+        return counts.most_common(1)[0][0] if counts else None
 
     statements = [n for n in ast.walk(scope) if isinstance(n, ast.stmt) and n is not scope]
-    at_line = [n for n in statements if n.lineno <= line <= (n.end_lineno or n.lineno)
-               and simple(n)]
+    at_line = [n for n in statements if line and n.lineno <= line <= n.end_lineno and simple(n)]
     if not at_line:
         return {}
-    used = names(simple(min(at_line, key=lambda n: (n.end_lineno or n.lineno) - n.lineno)))
+    crashed = min(at_line, key=lambda n: n.end_lineno - n.lineno)
+    used = {n.id for p in simple(crashed) for n in ast.walk(p) if isinstance(n, ast.Name)}
     found: dict[int, str] = {}
     for node in sorted(statements, key=lambda n: n.lineno):
-        parts = simple(node)
-        if node.lineno >= line or not parts:
-            continue
-        shared = sorted(names(parts) & used)
-        todo = ctx.todo_of(node.lineno)
-        if not shared or todo is None or ctx.status.get(todo) != "edited":
+        shared = sorted(made(node) & used)
+        todo = edited(ctx.todo_of(node.lineno))
+        if node.lineno >= line or not shared or todo is None:
             continue
         found.setdefault(todo, f"{shared[0]}, which TODO {todo}'s code changed")
-        for call in (c for p in parts for c in ast.walk(p) if isinstance(c, ast.Call)):
+        for call in (c for p in simple(node) for c in ast.walk(p) if isinstance(c, ast.Call)):
             inner = defs.get(getattr(call.func, "id", None))
-            owner = ctx.todo_of(inner.body[0].lineno) if inner else None
-            if owner is not None and ctx.status.get(owner) == "edited":
+            owner = owner_of(inner) if inner else None
+            if owner is not None:
                 found.setdefault(owner, f"{shared[0]} as TODO {owner}'s {inner.name} made it")
     return found
 
