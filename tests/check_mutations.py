@@ -486,6 +486,9 @@ MISTAKES = [
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,
      [("        if len(x) < loader.batch_size:\n", "        if False:\n")]),
+    ("pp", PP, "the loss broadcast on the last stage only", 38,  # the ranks wait apart
+     [("            dist.broadcast(step_loss, src=num_stages - 1)",
+       "            if stage.is_last:\n                dist.broadcast(step_loss, src=num_stages - 1)")]),
     # ---- the performance step ----------------------------------------------------------
     ("perf", PERF, "peak_flops and synchronize not imported", 41,
      [("from utils.metrics import peak_flops, synchronize\n", "")]),
@@ -917,6 +920,7 @@ MESSAGES = {
     "dp_group from the tp dim": ("mesh['dp'].get_group()",),
     "local_params from the DTensors' global sizes": ("to_local().numel()",),
     "the blocks sharded without the dp mesh": ("mesh=mesh['dp']",),
+    "the loss broadcast on the last stage only": ("different collectives",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
