@@ -130,7 +130,7 @@ def run_step(args, work: Path) -> int:
     source = (ROOT / "course" / module.FILE).read_text()
     text = target.read_text(errors="replace")
     owner = Ownership(source, text)
-    report = Report(module.TODOS, owner.status())
+    report = Report(module.TODOS, owner.status(), owner.callers())
     ctx = Context(args.step, target, work, source, text, report, owner, root=ROOT)
     what = module.what_of(text) if hasattr(module, "what_of") else module.WHAT
     print(f"Checking {target} ({what}) ...", flush=True)

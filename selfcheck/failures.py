@@ -30,10 +30,18 @@ class Failure:
     func: str | None = None
     callee: str | None = None  # what that line called on the way to the error (a helper's name)
     others: dict = field(default_factory=dict)   # rank -> one line, for the other ranks
+    peers: list = field(default_factory=list)    # the other ranks' own Failures, in order
+    silent: bool = False       # exited (sys.exit, a code) without a word: its line says little
 
     @property
     def peer(self) -> bool:
         return bool(PEER_ERRORS.search(self.message))
+
+    @property
+    def waiting(self) -> bool:
+        """It waited in a collective (hung, or the wait broke off): news about the ranks'
+        order of calls, not about its own line."""
+        return self.kind in ("hung", "timeout") or self.peer
 
     def where(self) -> str:
         return f" (line {self.line}, in {self.func})" if self.line else ""
@@ -67,6 +75,10 @@ def stack_frames(stack: str) -> list[dict]:
     return frames[::-1]
 
 
+# torch's frames between a call and what it calls (dist.broadcast's logger, a module's __call__)
+PASSING = {"wrapper", "_wrapped_call_impl", "_call_impl", "inner", "decorate_context"}
+
+
 def script_part(frames: list[dict], script: str) -> tuple[list[dict], str | None]:
     """The script's own frames (outermost first), and the function its innermost one called."""
     frames = [f for f in frames if not f["file"].endswith(PROBE_FILE)]  # its wrappers
@@ -74,7 +86,8 @@ def script_part(frames: list[dict], script: str) -> tuple[list[dict], str | None
     if not mine:
         return [], None
     last = mine[-1]
-    callee = frames[last + 1]["func"] if last + 1 < len(frames) else None
+    called = [f["func"] for f in frames[last + 1:]]
+    callee = next((c for c in called if c not in PASSING), called[0] if called else None)
     return [frames[i] for i in mine], callee
 
 
@@ -93,13 +106,13 @@ def rank_failure(run, rank: int) -> Failure | None:
                        callee)
     if record and record.get("error"):
         error = record["error"]
-        message = error["message"] or last_error_line(run.outputs[rank]) or \
-            f"exit code {ended.split()[-1]}"
-        message = first_line(message)
+        message = error["message"] or last_error_line(run.outputs[rank])
+        silent = not message
+        message = first_line(message or f"exited (code {ended.split()[-1]}) without a message")
         frames, callee = script_part(error["frames"], script)
         innermost = frames[-1] if frames else {}
         return Failure(rank, "exit" if error["exit"] else "error", message, frames,
-                       innermost.get("line"), innermost.get("func"), callee)
+                       innermost.get("line"), innermost.get("func"), callee, silent=silent)
     if ended != "exit 0":
         message = last_error_line(run.outputs[rank]) or f"ended with {ended} and no message"
         if ended.startswith("exit -"):  # died of a signal on its own (gloo aborts on some
@@ -129,4 +142,5 @@ def analyse(run) -> Failure | None:
         f.rank))
     first = order[0]
     first.others = {f.rank: f.message for f in order[1:]}
+    first.peers = order[1:]
     return first

@@ -3,7 +3,8 @@
     ok           TODO 5 (DDP): both ranks end with the same weights
     FIX          TODO 8 (evaluation over ranks): evaluate() returned ... : add up ...
     not started  TODO 11 (destroy_process_group)
-    not checked  TODO 9 (print0): the run stopped before (see the FIX lines)
+    not checked  TODO 9 (print0): the run stopped before it could be (fix TODO 8 above first)
+    not checked  TODO 24 (apply_tp): nothing calls it yet; it is checked once TODO 28 is done
 
 A TODO is "not started" when what it should do does not happen and its code is still as
 shipped (and the script shows no attempt at it); a wrong attempt is FIX. Every FIX names what to
@@ -16,8 +17,9 @@ OK, FIX, NEEDED = "ok", "FIX", "needed"
 
 
 class Report:
-    def __init__(self, names: dict, status: dict):
+    def __init__(self, names: dict, status: dict, callers: dict | None = None):
         self.names, self.status = names, status
+        self.callers = callers or {}   # TODO -> the TODO whose code calls the function it writes
         self.verdicts: dict[int, list[tuple[str, str]]] = {n: [] for n in names}
         self.attempted: set[int] = set()   # behaviour shows an attempt, whatever the text says
         self.notes: list[str] = []
@@ -76,17 +78,25 @@ class Report:
         return f"{text} (the run gets here now that TODO {after} is {state})"
 
     def unchecked(self, todo: int, reason: str | None) -> str:
-        """Why `todo` could not be judged: the run stopped at the FIX (or not started) line of
-        another TODO, named where it stands (above or below)."""
+        """Why `todo` could not be judged: nothing calls its code until a later TODO is done, or
+        the run stopped at the FIX (or not started) line of another TODO, named where it stands
+        (above or below). A TODO not started yet is waited for, not fixed."""
         if reason is not None:
             return reason
+        caller = self.callers.get(todo)
+        if caller is not None and self.not_started(caller):
+            return (f"nothing calls it yet; it is checked once TODO {caller} "
+                    f"({self.names.get(caller, '')}) is done")
         stops = [n for n in sorted(self.verdicts) if self.failed(n)]
         if not stops:
-            return "not checked: the run stopped before it could be"
+            return "the run never got to it"
         above = [n for n in stops if n < todo]
         first = above[-1] if above else stops[0]
-        return (f"not checked: the run stopped before it could be (fix TODO {first} "
-                f"{'above' if first < todo else 'below'} first)")
+        where = "above" if first < todo else "below"
+        if self.not_started(first):
+            return (f"the run stops at TODO {first} {where}, not started yet; it is checked "
+                    f"once TODO {first} is done")
+        return f"the run stopped before it could be (fix TODO {first} {where} first)"
 
     def render(self, unchecked_reason: str | None = None) -> tuple[list[str], int]:
         lines, problems = [], 0
@@ -112,6 +122,7 @@ class Report:
             else:
                 problems += 1
                 why = self.waiting.get(todo) or self.unchecked(todo, unchecked_reason)
+                why = why.removeprefix("not checked: ")  # the line says so already
                 lines.append(f"  {'not checked':<12} {self.label(todo)}: {why}")
         for label, entries in self.items.items():
             fixes = list(dict.fromkeys(text for kind, text in entries if kind == FIX))

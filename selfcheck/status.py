@@ -8,8 +8,10 @@ line a crash happened on.
 
 from __future__ import annotations
 
+import ast
 import difflib
 import re
+from functools import cached_property
 
 TODO_COMMENT = re.compile(r"^\s*#\s*TODO (\d+)\b")  # a TODO comment, not a mention
 
@@ -43,6 +45,7 @@ class Ownership:
     """The exercise as shipped, lined up against the participant's file."""
 
     def __init__(self, source: str, text: str):
+        self.source = source
         items = parse_blocks(source)
         shipped, owner, gaps = [], [], {}  # gaps: position of an empty block -> its TODOs
         comment_todo = []                  # the TODO comment above each shipped line
@@ -90,8 +93,61 @@ class Ownership:
     def status(self) -> dict[int, str]:
         return {n: "edited" if n in self.touched else "not started" for n in self.todos}
 
+    @cached_property
+    def _solution_calls(self) -> tuple[dict[str, set], dict[str, int | None]]:
+        """In the solution: {name called: the TODOs of its calls (None: shipped code)}, and
+        {function defined: the TODO of its def line}."""
+        text, owners = solution_text(self.source)
+        called: dict[str, set] = {}
+        defined: dict[str, int | None] = {}
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            return called, defined
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                if name:
+                    called.setdefault(name, set()).add(owners[node.lineno - 1])
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defined[node.name] = owners[node.lineno - 1]
+        return called, defined
+
+    def callee_todo(self, name: str | None) -> int | None:
+        """The TODO whose solution calls `name`, when only one TODO's code calls it."""
+        todos = self._solution_calls[0].get(name or "", set())
+        return next(iter(todos)) if len(todos) == 1 and None not in todos else None
+
+    def caller_of(self, todo: int) -> int | None:
+        """The TODO whose code calls the function that `todo` writes (apply_tp: the TODO that
+        shards the model with it): until that one is done, nothing runs `todo`'s code."""
+        called, defined = self._solution_calls
+        found = [self.callee_todo(name) for name, n in defined.items() if n == todo]
+        return min((n for n in found if n is not None and n != todo), default=None)
+
+    def callers(self) -> dict[int, int]:
+        return {n: c for n in self.todos if (c := self.caller_of(n)) is not None}
+
     def todo_of_line(self, line: int | None) -> int | None:
         return self.line_owner.get(line) if line else None
+
+
+def solution_text(source: str) -> tuple[str, list[int | None]]:
+    """The course source as the solution reads, and the TODO block of each of its lines (None
+    outside the blocks)."""
+    lines, owners, state, todo = [], [], None, None
+    for line in source.splitlines(keepends=True):
+        m = line.strip()
+        if m in ("#| exercise", "#| solution", "#| end"):
+            state = {"#| exercise": "exercise", "#| solution": "solution", "#| end": None}[m]
+            continue
+        if state is None:
+            found = TODO_COMMENT.match(line)
+            todo = int(found.group(1)) if found else todo
+        if state != "exercise":
+            lines.append(line)
+            owners.append(todo if state == "solution" else None)
+    return "".join(lines), owners
 
 
 def todo_status(source: str, text: str) -> dict[int, str]:

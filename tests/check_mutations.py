@@ -497,6 +497,9 @@ MISTAKES = [
     ("pp", PP, "training mode not restored after evaluation", 40,
      [("    model.train()\n    return (loss_sum / tokens).item()",
        "    return (loss_sum / tokens).item()")]),
+    ("pp", PP, "the loss broadcast on the last stage only", 38,  # the ranks wait apart
+     [("            dist.broadcast(step_loss, src=num_stages - 1)",
+       "            if stage.is_last:\n                dist.broadcast(step_loss, src=num_stages - 1)")]),
     # ---- the performance step ----------------------------------------------------------
     ("perf", PERF, "peak_flops and synchronize not imported", 41,
      [("from utils.metrics import peak_flops, synchronize\n", "")]),
@@ -931,6 +934,7 @@ MESSAGES = {
     "dp_group from the tp dim": ("mesh['dp'].get_group()",),
     "local_params from the DTensors' global sizes": ("to_local().numel()",),
     "the blocks sharded without the dp mesh": ("mesh=mesh['dp']",),
+    "the loss broadcast on the last stage only": ("different collectives",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the

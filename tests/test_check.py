@@ -188,10 +188,12 @@ def partly_done(source: str, done: set) -> str:
 
 
 @pytest.mark.parametrize("step, done", [("ddp", {1, 2, 3, 4, 5, 6}), ("ddp", {1, 2, 3, 4, 5}),
-                                        ("fsdp", {17, 18, 19}), ("fsdp", {17, 18}),
-                                        ("tp", {23, 24, 25, 26}), ("tp", {23, 24}),
+                                        ("fsdp", {17, 18, 19}), ("tp", {23, 24, 25, 26}),
                                         ("perf", {41, 42}), ("perf", {41, 42, 43}),
-                                        ("sbatch", {12, 13, 14})])
+                                        ("sbatch", {12, 13, 14}),
+                                        # a done TODO whose function a TODO not started calls
+                                        ("fsdp", {17, 18}), ("tp", {23, 24}), ("pp", {34, 35}),
+                                        ("memory", {55}), ("collectives", {49, 50})])
 def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_path, step, done):
     rel = step_module(step).FILE
     path = tmp_path / rel
@@ -236,6 +238,56 @@ def test_a_todo_not_checked_points_to_the_fix_above_or_below_it():
     report.fail(2, "what to change, said at length enough")
     lines, _ = report.render()
     assert "fix TODO 2 below first" in lines[0] and "fix TODO 2 above first" in lines[2], lines
+
+
+def test_a_todo_not_checked_waits_for_the_todo_not_started_that_runs_it():
+    from selfcheck.report import Report
+    status = {18: "edited", 19: "not started", 20: "edited", 21: "not started"}
+    report = Report({18: "a", 19: "b", 20: "c", 21: "d"}, status, callers={18: 19})
+    report.needed(21, "the run needs it: x")
+    lines, _ = report.render()
+    assert "checked once TODO 19 (b) is done" in lines[0], lines
+    assert "once TODO 21 is done" in lines[2] and "fix" not in lines[2], lines
+
+
+def test_a_rank_that_exits_without_a_word_is_told_apart_from_the_one_that_waits(tmp_path):
+    """Rank 1 leaves with exit code 1 and no message (on a line no TODO owns) while rank 0 waits
+    in TODO 8's all_reduce_sum: the FIX goes to TODO 8 and says both."""
+    from types import SimpleNamespace
+
+    from selfcheck.failures import analyse
+    from selfcheck.report import Report
+    from selfcheck.status import Ownership
+    from selfcheck.steps.common import Context, report_crash
+    rel = step_module("ddp").FILE
+    script = copy_of(tmp_path, rel)
+    text = script.read_text()
+    lines = text.splitlines()
+    call, stop, reduce = (lines.index(code) + 1 for code in (
+        "        val_loss = evaluate(model, val_loader, device)",
+        "        stop_if_not_finite(val_loss, step, \"validation loss\")",
+        "    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)"))
+
+    def frame(line, func, file=str(script)):
+        return {"file": file, "line": line, "func": func}
+    ranks = [{"error": {"message": "RuntimeError: Connection closed by peer", "exit": False,
+                        "frames": [frame(call, "main"), frame(reduce, "evaluate"),
+                                   frame(1, "all_reduce_sum", "utils/distributed_utils.py")]}},
+             {"error": {"message": "", "exit": True,
+                        "frames": [frame(stop, "main"),
+                                   frame(1, "stop_if_not_finite", "utils/checks.py")]}}]
+    run = SimpleNamespace(ranks=ranks, ended={0: "exit 1", 1: "exit 1"}, script=script,
+                          stacks=["", ""], outputs=["", ""], summary=None,
+                          geometry=SimpleNamespace(world=2))
+    run.failure = analyse(run)
+    source = (ROOT / "course" / rel).read_text()
+    owner = Ownership(source, text)
+    report = Report(step_module("ddp").TODOS, owner.status(), owner.callers())
+    ctx = Context("ddp", script, tmp_path, source, text, report, owner)
+    assert report_crash(ctx, run) == 8
+    line = report.verdicts[8][0][1]
+    assert f"rank 1 exited (code 1) without a message at line {stop} (no TODO's code)" in line
+    assert f"rank 0 waited for it at line {reduce} in all_reduce_sum" in line, line
 
 
 def test_a_todo_is_not_started_until_its_block_changes():

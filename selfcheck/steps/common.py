@@ -127,7 +127,8 @@ KNOWN_CAUSES = [
      "fully_shard met parameters already split on another mesh: shard every block before the "
      "model (fully_shard(model, ...) last), all with the same mesh (with TP: mesh=mesh['dp'] "
      "in every fully_shard call)"),
-    (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied",
+    (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied|must match the "
+     r"size of tensor|must have same reduction dim",
      "tensor shapes do not fit: a layer split or kept where it should not be"),
 ]
 
@@ -140,8 +141,10 @@ def usual_cause(message: str) -> str | None:
 
 
 def crash_todo(ctx: Context, failure) -> int | None:
-    """The TODO a crash belongs to: an unknown name's import, else the innermost line of the
-    script on the error's way that a TODO owns."""
+    """The TODO a crash belongs to: an unknown name's import, else the failing rank's position
+    (rank_todo), else another rank's: a rank that waited in a collective, or left without a
+    word, tells little by its own line, and in a hang the rank inside a TODO's lines is the one
+    that went another way (`if stage.is_last:` around a broadcast)."""
     m = re.search(r"name '(\w+)' is not defined", failure.message)
     if m:
         todo = import_todo(ctx, m.group(1))
@@ -152,16 +155,113 @@ def crash_todo(ctx: Context, failure) -> int | None:
         todo = import_todo(ctx, m.group(1) or m.group(2).rsplit(".", 1)[-1])
         if todo:
             return todo
-    # a helper whose TODO is known (destroy_process_group: the last TODO of the DDP step), from
-    # whatever line it was called
+    for f in [failure, *telling_peers(failure)]:
+        todo = rank_todo(ctx, f)
+        if todo is not None:
+            return todo
+    return None
+
+
+def telling_peers(failure) -> list:
+    """The other ranks whose position says something about a failure: all of them when it waited
+    or left without a word; else those that waited (the rank that went another way stopped on
+    its own, the other waits where the two parted)."""
+    if failure.waiting or failure.silent:
+        return [p for p in failure.peers if p.frames]
+    return [p for p in failure.peers if p.frames and p.waiting]
+
+
+def rank_todo(ctx: Context, f) -> int | None:
+    """The TODO of one rank's position: the helper it was in, whose TODO is clear wherever it
+    is called (destroy_process_group: the last TODO of the DDP step); in a wait, the collective
+    it waited in, which belongs where the solution calls it (all_reduce_mean put into a print
+    on rank 0 only: the TODO of the loss, not of the print); else the innermost of its lines
+    that a TODO owns."""
     calls_todo = ctx.extra.get("call_todo", {})
-    if failure.callee in calls_todo:
-        return calls_todo[failure.callee]
-    for frame in reversed(failure.frames):
+    if f.callee in calls_todo:
+        return calls_todo[f.callee]
+    todo = ctx.owner.callee_todo(f.callee) if f.waiting else None
+    if todo is not None:
+        return todo
+    for frame in reversed(f.frames):
         todo = ctx.todo_of(frame.get("line"))
         if todo is not None:
             return todo
     return None
+
+
+def flow_todos(ctx: Context, line: int | None) -> dict[int, str]:
+    """{TODO: what it made of a name} for a line no TODO owns: the edited TODOs whose lines before
+    it, in the same function, bind a name the line uses or hand it to a call of their own
+    (`model = apply_tp(model, ...)`, `fully_shard(model)` for `logits = model(x)`), and the TODO
+    of a function of the script those lines call (apply_tp's)."""
+    import ast
+    from collections import Counter
+    try:
+        tree = ast.parse(ctx.text)
+    except SyntaxError:
+        return {}
+    functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef,
+                                                              ast.AsyncFunctionDef))]
+    scopes = [n for n in functions if line and n.lineno <= line <= n.end_lineno]
+    scope = min(scopes, key=lambda n: n.end_lineno - n.lineno) if scopes else tree
+    defs = {n.name: n for n in functions}
+
+    def edited(n):
+        return n if n is not None and ctx.status.get(n) == "edited" else None
+
+    def simple(node):  # a statement without the statements it holds (a for: its header)
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            return [node.target, node.iter]
+        if isinstance(node, (ast.If, ast.While)):
+            return [node.test]
+        if isinstance(node, (ast.With, ast.AsyncWith)):
+            return node.items
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Try)):
+            return []
+        return [node]
+
+    def made(node):  # the names a statement binds, or hands to a call it makes for its effect
+        names = {n.id for p in simple(node) for n in ast.walk(p)
+                 if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+            call = node.value
+            names |= {a.id for a in [*call.args, *(k.value for k in call.keywords)]
+                      if isinstance(a, ast.Name)}
+        return names
+
+    def owner_of(function):  # the TODO that wrote most of a function's statements
+        counts = Counter(edited(ctx.todo_of(n.lineno)) for n in ast.walk(function)
+                         if isinstance(n, ast.stmt) and n is not function)
+        counts.pop(None, None)
+        return counts.most_common(1)[0][0] if counts else None
+
+    statements = [n for n in ast.walk(scope) if isinstance(n, ast.stmt) and n is not scope]
+    at_line = [n for n in statements if line and n.lineno <= line <= n.end_lineno and simple(n)]
+    if not at_line:
+        return {}
+    crashed = min(at_line, key=lambda n: n.end_lineno - n.lineno)
+    used = {n.id for p in simple(crashed) for n in ast.walk(p) if isinstance(n, ast.Name)}
+    found: dict[int, str] = {}
+    for node in sorted(statements, key=lambda n: n.lineno):
+        shared = sorted(made(node) & used)
+        todo = edited(ctx.todo_of(node.lineno))
+        if node.lineno >= line or not shared or todo is None:
+            continue
+        found.setdefault(todo, f"{shared[0]}, which TODO {todo}'s code changed")
+        for call in (c for p in simple(node) for c in ast.walk(p) if isinstance(c, ast.Call)):
+            inner = defs.get(getattr(call.func, "id", None))
+            owner = owner_of(inner) if inner else None
+            if owner is not None:
+                found.setdefault(owner, f"{shared[0]} as TODO {owner}'s {inner.name} made it")
+    return found
+
+
+def position(ctx: Context, f) -> str:
+    """Where a rank was: "line 259 (no TODO's code) in report"."""
+    call = f" in {f.callee}" if f.callee and f.callee not in ("wait", "wrapper") else ""
+    mine = "" if ctx.todo_of(f.line) is not None else " (no TODO's code)"
+    return f"line {f.line}{mine}{call}" if f.line else "a line outside your script"
 
 
 def report_crash(ctx: Context, run, todo: int | None = None, cause: str | None = None,
@@ -173,34 +273,69 @@ def report_crash(ctx: Context, run, todo: int | None = None, cause: str | None =
     if f is None:
         return None
     todo = todo or crash_todo(ctx, f) or default_todo
-    who = f"rank {f.rank}" if f.rank is not None and run.geometry.world > 1 else "your script"
+    several = f.rank is not None and run.geometry.world > 1
+    who = f"rank {f.rank}" if several else "your script"
     finished = [r for r, e in run.ended.items() if e == "exit 0"]
-    if f.kind in ("hung", "timeout") or f.peer:
-        call = f" in {f.callee}" if f.callee and f.callee not in ("wait", "wrapper") else ""
-        other = f"rank {finished[0]}, which had finished," if finished else "another rank"
-        what = (f"{who} waited at line {f.line}{call} for a collective that {other} never "
-                f"joined" if f.line else f"{who} waited for the other ranks and never finished")
-        cause = cause or ("every rank must make the same collective calls in the same order "
-                          "(no `if rank == 0:` around a save or an all-reduce)")
+    elsewhere = [p for p in f.peers if p.waiting and p.line and p.line != f.line]
+    hang = "every rank must make the same collective calls in the same order (no `if rank " \
+        "== 0:` around a save or an all-reduce)"
+    if f.waiting:
+        if elsewhere:  # both wait, each in its own collective: the two lines show where they part
+            what = (f"{who} waited at {position(ctx, f)} while rank {elsewhere[0].rank} waited "
+                    f"at {position(ctx, elsewhere[0])}: they wait in different collectives")
+        else:
+            other = f"rank {finished[0]}, which had finished," if finished else "another rank"
+            what = (f"{who} waited at {position(ctx, f)} for a collective that {other} never "
+                    f"joined" if f.line else f"{who} waited for the other ranks and never "
+                    f"finished")
+        cause = cause or hang
+    elif f.silent:
+        what = f"{who} {f.message}" + (f" at {position(ctx, f)}" if f.line else "")
+        if elsewhere and several:
+            what += (f", while rank {elsewhere[0].rank} waited for it at "
+                     f"{position(ctx, elsewhere[0])}")
+            cause = cause or hang
     else:
-        what = f"{who} stopped{f.where()} with: {f.message}"
+        where = f.where().replace(",", ", no TODO's code,", 1) if ctx.todo_of(f.line) is None \
+            else f.where()
+        what = f"{who} stopped{where} with: {f.message}"
+        if elsewhere and ctx.todo_of(f.line) is None:  # the other rank's line shows where
+            what += f" (rank {elsewhere[0].rank} waited at {position(ctx, elsewhere[0])})"
         cause = cause or usual_cause(f.message)
-    text = prefix + what + (f": {cause}" if cause else "")
     if todo is not None and todo in rep.names:
+        text = prefix + what + (f": {cause}" if cause else "")
         if ctx.status.get(todo) == "not started" and todo not in rep.attempted:
             done = [n for n, s in ctx.status.items() if s == "edited" and n < todo]
             rep.needed(todo, f"the run needs it: {text}", after=max(done) if done else None)
         else:
             rep.fail(todo, text)
             rep.attempt(todo)
-    else:
-        first = next((n for n, s in sorted(ctx.status.items()) if s == "not started"), None)
-        target = first if first is not None else max(rep.names)
-        if first is not None:
-            text += f" (TODO {first} is not started yet: the TODOs work in order, finish it first)"
-        rep.fail(target, text)
-        rep.attempt(target)
+        return todo
+    target, note = crash_target(ctx, f)
+    rep.fail(target, prefix + what + note + (f": {cause}" if cause else ""))
+    rep.attempt(target)
     return todo
+
+
+def crash_target(ctx: Context, f) -> tuple[int, str]:
+    """Where a crash on a line no TODO owns is filed, and what to add to its text: a TODO that
+    already has a FIX (the crash follows from it: its line gets the crash too), the first TODO
+    not started, the first edited TODO whose code made what the line uses (apply_tp's plan for
+    `logits = model(x)`), the nearest edited TODO above the line, else the last TODO."""
+    rep = ctx.report
+    fixed = [n for n in sorted(rep.names) if any(k == "FIX" for k, _ in rep.verdicts.get(n, []))]
+    flow = flow_todos(ctx, f.line)
+    if fixed:
+        return next((n for n in fixed if n in flow), fixed[0]), ""
+    first = next((n for n, s in sorted(ctx.status.items()) if s == "not started"), None)
+    if first is not None:
+        return first, (f" (TODO {first} is not started yet: the TODOs work in order, finish it "
+                       "first)")
+    if flow:
+        return min(flow), f"; the line uses {flow[min(flow)]}"
+    above = [ctx.todo_of(n) for n in range(1, f.line or 0)]
+    edited = [n for n in above if n is not None and ctx.status.get(n) == "edited"]
+    return (edited[-1] if edited else max(rep.names)), ""
 
 
 def stopped_early(ctx: Context, *runs) -> bool:
