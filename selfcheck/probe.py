@@ -359,6 +359,7 @@ class Probe:
         import torch.distributed.pipelining as pl
 
         def stage_init(self, submodule, stage_index, num_stages, *a, **k):
+            self._check_built = len(record["stages"])  # which one a schedule runs on
             record["stages"].append({"stage_index": int(stage_index),
                                      "num_stages": int(num_stages)})
         wrap(pl.PipelineStage, "__init__", before=stage_init)
@@ -374,6 +375,7 @@ class Probe:
             record.setdefault("schedules", []).append({
                 "kind": type(self).__name__, "microbatches": n_microbatches,
                 "loss_fn": getattr(loss_fn, "__name__", None) if loss_fn else None,
+                "stage": getattr(stage, "_check_built", None),
                 "by_course": self._check_by_course})
         wrap(PipelineScheduleSingle, "__init__", before=schedule_init)
 

@@ -416,8 +416,16 @@ MISTAKES = [
      [("    stage = PipelineStage(model, stage_index, num_stages, device)",
        "    stage = PipelineStage(model, local_rank, num_stages, device)")]),
     ("pp", PP, "an evaluation schedule that averages", 36,
-     [('eval_schedule = build_schedule("gpipe", stage, args.microbatches, lm_loss_sum)',
-       'eval_schedule = build_schedule("gpipe", stage, args.microbatches, lm_loss)')]),
+     [('eval_schedule = build_schedule("gpipe", eval_stage, args.microbatches, lm_loss_sum)',
+       'eval_schedule = build_schedule("gpipe", eval_stage, args.microbatches, lm_loss)')]),
+    # the pattern the course had: the first evaluation prepared the shared stage for forward
+    # only, and the stages before the last trained on zero gradients after it
+    ("pp", PP, "the evaluation schedule on the training's stage", 36,
+     [("    eval_stage = PipelineStage(model, stage_index, num_stages, device)\n"
+       '    eval_schedule = build_schedule("gpipe", eval_stage,',
+       '    eval_schedule = build_schedule("gpipe", stage,'),
+      ("    del stage, eval_stage, schedule, eval_schedule",
+       "    del stage, schedule, eval_schedule")]),
     ("pp", PP, "no bubble timer", 36,
      [("    timer = StageBusyTimer(stage, device)\n", ""),
       ("            timer.start_step()\n", ""),
@@ -486,6 +494,9 @@ MISTAKES = [
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,
      [("        if len(x) < loader.batch_size:\n", "        if False:\n")]),
+    ("pp", PP, "training mode not restored after evaluation", 40,
+     [("    model.train()\n    return (loss_sum / tokens).item()",
+       "    return (loss_sum / tokens).item()")]),
     ("pp", PP, "the loss broadcast on the last stage only", 38,  # the ranks wait apart
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            if stage.is_last:\n                dist.broadcast(step_loss, src=num_stages - 1)")]),
@@ -882,6 +893,9 @@ MESSAGES = {
     "the sums over ranks thrown away (taken for in place)": ("new tensor",
                                                             "= all_reduce_sum(loss_sum)"),
     "validation on rank 0 only": ("every rank must call evaluate()",),
+    "the evaluation schedule on the training's stage": ("its own",
+                                                        "eval_stage = PipelineStage("),
+    "training mode not restored after evaluation": ("model.train()",),
     "the logged loss averaged on rank 0 only, in its print": ("every rank must call it",),
     "training sampler without drop_last": ("drop_last=True",),
     "test sampler over the validation set": ("DistributedEvalSampler(test_ds",),
@@ -926,6 +940,7 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    "the evaluation schedule on the training's stage": {36},
     "the global batch saved as one rank's batch": {20},
     "the MLP's projections the other way round": {24},
     "k_proj left out of the plan": {24},

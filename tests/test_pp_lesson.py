@@ -96,6 +96,49 @@ def test_a_pipelined_run_s_checkpoint_loads_into_the_unsplit_model(pipeline_run,
     assert_same_weights(state, ref_weights)
 
 
+@pytest.fixture(scope="module")
+def two_epoch_reference(tmp_path_factory):
+    """The DDP solution in one process for two epochs of 5 steps on a tiny corpus, 4 blocks (two
+    stages of 2, or two stages per rank of 1): (arguments, output folder)."""
+    from selfcheck.runs import SEQ_LEN, write_tiny_text
+    root = tmp_path_factory.mktemp("pp_two_epochs")
+    text = write_tiny_text(root / "text")  # 40 training windows: 5 batches of 8
+    args = ("--data-dir", text, "--cache-dir", root / "cache", "--seq-len", SEQ_LEN, "--epochs", 2,
+            "--preset", "tiny", "--n-layers", 4, "--batch-size", 8, "--dropout", 0, "--seed", 3,
+            "--logger", "none", "--log-every", 1)
+    run_script("solutions/train/to_distributed_training.py", *args, "--out-dir", root / "ref",
+               env=script_env(), timeout=120)
+    return args, root / "ref"
+
+
+@pytest.mark.parametrize("script, layout", [
+    ("solutions/train/pp_training.py", ("--schedule", "1f1b")),
+    ("solutions/train/nd_training.py", ("--pp", 2, "--schedule", "interleaved-1f1b")),
+])
+def test_a_pipelined_run_that_evaluates_between_epochs_keeps_matching_the_single_process_run(
+        script, layout, two_epoch_reference, tmp_path):
+    # The evaluation schedule once prepared the training's own stages for forward only: every
+    # stage but the last trained on zero gradients from the first validation on.
+    import torch.distributed.checkpoint as dcp
+
+    args, ref_dir = two_epoch_reference
+    proc = run_script(script, *args, *layout, "--microbatches", 2, "--out-dir", tmp_path,
+                      nproc=2, env=script_env(), timeout=240)
+    log = proc.stdout
+    assert log.index("epoch 0 validation loss") < log.index("epoch 1 step 6/10")
+    ref, pp = read_summary(ref_dir), read_summary(tmp_path)
+    assert len(pp["loss_history"]) == 10
+    assert pp["loss_history"] == pytest.approx(ref["loss_history"], rel=1e-5)
+    assert pp["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
+    assert pp["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-5)
+    ref_weights = torch.load(ref_dir / "final_model.pt", weights_only=True)
+    state = {k: torch.full_like(v, float("nan")) for k, v in ref_weights.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
+        dcp.load(state, checkpoint_id=tmp_path / "final_model")
+    assert_same_weights(state, ref_weights)
+
+
 def test_stages_split_the_layers_and_together_hold_the_whole_model_under_its_own_names():
     pp = load_script(SOLUTION)
     cfg = get_config("tiny", vocab_size=50, n_layers=4)

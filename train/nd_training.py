@@ -330,10 +330,17 @@ def main():
                                           args.stages_per_rank, args.layers_per_stage)
     has_first, has_last = stages[0].is_first, stages[-1].is_last  # the tokens; the targets
     schedule = build_schedule(args.schedule, stages, args.microbatches, lm_loss)
+    # Evaluation gets PipelineStages of its own around the same parts (the same weights): a
+    # schedule prepares its stages at its first call, for training or for forward only, and
+    # remembers that it did, not what they were last prepared for. On shared stages the first
+    # evaluation prepared them again without gradients, and from then on every stage but the
+    # last trained on zero gradients.
+    eval_stages = [PipelineStage(s.submod, s.stage_index, s.num_stages, device, group=pp_group)
+                   for s in stages]
     # forward only, summing the losses: GPipe, or with several stages per rank the interleaved
-    # order (a schedule built on the same stages must place them on the same ranks)
-    eval_schedule = build_schedule("gpipe" if len(stages) == 1 else "interleaved-1f1b", stages,
-                                   args.microbatches, lm_loss_sum)
+    # order (a schedule built on the same stage indices must place them on the same ranks)
+    eval_schedule = build_schedule("gpipe" if len(stages) == 1 else "interleaved-1f1b",
+                                   eval_stages, args.microbatches, lm_loss_sum)
     timer = StageBusyTimer(stages, device)
     held = sum(p.to_local().numel() for p in model.parameters())
     params_per_rank = all_reduce_sum(torch.tensor(
@@ -417,7 +424,7 @@ def main():
         dcp.save(model.state_dict(), checkpoint_id=folder)
     write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)
-    del model, optimizer, parts, stages, schedule, eval_schedule
+    del model, optimizer, parts, stages, eval_stages, schedule, eval_schedule
     destroy_process_group()
 
 

@@ -188,9 +188,10 @@ def main():
     # TODO 36: Instead of DDP: keep only this rank's stage (your split_pipeline_stage, with
     # --layers-per-stage), wrap it in a PipelineStage (it sends and receives the activations),
     # and build two schedules with build_schedule: `schedule` for training (--schedule, with
-    # lm_loss: the mean) and `eval_schedule` for evaluation (GPipe, with lm_loss_sum: the sum).
-    # A StageBusyTimer on the stage, `timer`, measures how long it computes (the bubble report
-    # at the end reads it).
+    # lm_loss: the mean) and `eval_schedule` for evaluation (GPipe, with lm_loss_sum: the sum),
+    # each on a PipelineStage of its own, `stage` and `eval_stage`, both around the same model.
+    # A StageBusyTimer on the training stage, `timer`, measures how long it computes (the
+    # bubble report at the end reads it).
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     # What every rank holds now (with a pipeline: only its stage).
     params = sum(p.numel() for p in model.parameters())
@@ -293,15 +294,14 @@ def main():
     monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer
-    # TODO 36: ... and the stage and schedules, which hold the model too.
+    # TODO 36: ... and the stages and schedules, which hold the model too.
     destroy_process_group()
 
 
 # TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule,
 # precision), called with eval_schedule and args.precision. Its forward-only schedule.eval(...)
-# takes the same arguments as schedule.step and runs under the same autocast: at its first step
-# every stage fixed the shapes and dtypes it sends and receives, and a stage that sends float32
-# where training sent bfloat16 is stopped with an error (on a GPU, where bf16 is the default).
+# takes the same arguments as schedule.step and runs under the same autocast, so that every
+# stage computes and sends the dtypes it trains in (bfloat16 on a GPU, where bf16 is the default).
 # The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
 # fill a short last batch up to loader.batch_size with padding samples (tokens 0, targets
 # IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast the loss

@@ -217,16 +217,23 @@ def main():
     # TODO 36: Instead of DDP: keep only this rank's stage (your split_pipeline_stage, with
     # --layers-per-stage), wrap it in a PipelineStage (it sends and receives the activations),
     # and build two schedules with build_schedule: `schedule` for training (--schedule, with
-    # lm_loss: the mean) and `eval_schedule` for evaluation (GPipe, with lm_loss_sum: the sum).
-    # A StageBusyTimer on the stage, `timer`, measures how long it computes (the bubble report
-    # at the end reads it).
+    # lm_loss: the mean) and `eval_schedule` for evaluation (GPipe, with lm_loss_sum: the sum),
+    # each on a PipelineStage of its own, `stage` and `eval_stage`, both around the same model.
+    # A StageBusyTimer on the training stage, `timer`, measures how long it computes (the
+    # bubble report at the end reads it).
     #| exercise
     model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
     #| solution
     model = split_pipeline_stage(model, stage_index, num_stages, args.layers_per_stage)
     stage = PipelineStage(model, stage_index, num_stages, device)
     schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)
-    eval_schedule = build_schedule("gpipe", stage, args.microbatches, lm_loss_sum)
+    # Evaluation gets a stage of its own (the same model: the same weights). A schedule prepares
+    # its stage at its first call, for training or for forward only, and remembers that it did,
+    # not what the stage was last prepared for. On one shared stage the first evaluation
+    # prepared it again without gradients; the training schedule went on, and from then on
+    # every stage but the last received zero gradients (and trained on them).
+    eval_stage = PipelineStage(model, stage_index, num_stages, device)
+    eval_schedule = build_schedule("gpipe", eval_stage, args.microbatches, lm_loss_sum)
     timer = StageBusyTimer(stage, device)
     #| end
     # What every rank holds now (with a pipeline: only its stage).
@@ -365,19 +372,18 @@ def main():
     monitor.close(summary)
     # Delete the model first, so its communication buffers go while the group still exists.
     del model, optimizer
-    # TODO 36: ... and the stage and schedules, which hold the model too.
+    # TODO 36: ... and the stages and schedules, which hold the model too.
     #| exercise
     #| solution
-    del stage, schedule, eval_schedule
+    del stage, eval_stage, schedule, eval_schedule
     #| end
     destroy_process_group()
 
 
 # TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule,
 # precision), called with eval_schedule and args.precision. Its forward-only schedule.eval(...)
-# takes the same arguments as schedule.step and runs under the same autocast: at its first step
-# every stage fixed the shapes and dtypes it sends and receives, and a stage that sends float32
-# where training sent bfloat16 is stopped with an error (on a GPU, where bf16 is the default).
+# takes the same arguments as schedule.step and runs under the same autocast, so that every
+# stage computes and sends the dtypes it trains in (bfloat16 on a GPU, where bf16 is the default).
 # The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
 # fill a short last batch up to loader.batch_size with padding samples (tokens 0, targets
 # IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast the loss

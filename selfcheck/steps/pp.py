@@ -3,8 +3,9 @@
 Your script runs as two nodes with one process each (stage index = global rank, so a local
 rank in its place shows), with 2 microbatches of 4 (a count and a size that differ, so one in
 the other's place shows), next to the DDP solution in one process with the same batch. An epoch
-is the run's 5 steps. The check looks at what every stage holds, how each calls the schedule, where the
-logged loss comes from, and the checkpoints and evaluation.
+is 5 steps: the run trains 7, so that 2 come after an evaluation. The check looks at what every
+stage holds, how each calls the schedule, where the logged loss comes from, and the checkpoints
+and evaluation.
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ TODOS = {34: "split_pipeline_stage", 35: "samplers: one replica", 36: "stage and
          40: "evaluation through the pipeline"}
 BATCH = 8
 MICROBATCHES = 2
-# One epoch (5 steps): microbatches add up in another order, and Adam amplifies it; a training
-# step after a pipeline evaluation differs more on the first stage (not judged, as yet).
-SHORT = ["--max-steps", "5"]
+# One epoch (5 steps), its evaluation and 2 steps of the next: a step after an evaluation shows
+# a stage the evaluation left without gradients, or a model left in eval mode. (Few steps:
+# microbatches add up in another order, and Adam amplifies it.)
+SHORT = ["--max-steps", "7"]
 
 
 def check(ctx) -> None:
@@ -79,6 +81,9 @@ def check(ctx) -> None:
     if near(s["val_loss"], ref.summary["val_loss"]) and near(s["test_loss"],
                                                              ref.summary["test_loss"]):
         rep.ok(40, "validation and test losses equal the single-process run")
+    elif ctx.extra.get("pp_shared_stage"):
+        rep.waits(40, "the losses are compared once TODO 36 gives the evaluation its own stage "
+                  "(the steps after an evaluation train differently without one)")
     else:
         hint = ("evaluate(model, loader, device, stage, eval_schedule, args.precision): "
                 "schedule.eval through the pipeline, pad the last batch, broadcast loss_sum from "
@@ -90,12 +95,16 @@ def check(ctx) -> None:
     if calls(run, "dcp.save"):
         rep.attempt(39)
     if (run.out / "final_model" / ".metadata").is_file():
-        check_weights_file(ctx, run, ref, 39, "final_model")
-        if (run.out / "best_model" / ".metadata").is_file():
-            check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
+        if ctx.extra.get("pp_shared_stage"):
+            rep.waits(39, "the weights are compared once TODO 36 gives the evaluation its own "
+                      "stage (the steps after an evaluation train differently without one)")
         else:
+            check_weights_file(ctx, run, ref, 39, "final_model")
+        if not (run.out / "best_model" / ".metadata").is_file():
             rep.fail(39, "no best_model folder: dcp.save(model.state_dict(), "
                      "checkpoint_id=out_dir / 'best_model') where validation improves")
+        elif not ctx.extra.get("pp_shared_stage"):
+            check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
     else:
         saved_by = sorted({r for r, record in enumerate(run.ranks) if record and any(
             c["name"] == "dcp.save" for c in record.get("calls", []))})
@@ -125,7 +134,7 @@ def check_split(ctx, run, n_layers) -> bool:
     asked = [split_index(r) for r in records]
     stage_of = [[st["stage_index"] for st in r.get("stages", [])] for r in records]
     other = [(rank, a, st[0]) for rank, (a, st) in enumerate(zip(asked, stage_of, strict=True))
-             if a is not None and len(st) == 1 and a != st[0]]
+             if a is not None and st and a != st[0]]  # (st[0]: the training's stage)
     if other:
         rank, a, st = other[0]
         rep.fail(36, f"rank {rank} split the model as stage {a} but built PipelineStage "
@@ -149,7 +158,7 @@ def check_split(ctx, run, n_layers) -> bool:
             if parts[name] != last:
                 problems.append(f"stage {stage} {'lacks' if last else 'keeps'} {name} (only the "
                                 "last stage has the final norm and output layer)")
-    stage_of = [i for st in stage_of for i in st]
+    stage_of = [st[0] for st in stage_of if st]  # (training's and evaluation's: one index)
     if len(stage_of) == world and stage_of != list(range(world)):
         return True  # the stage index is wrong (TODO 36): the split follows from it
     if problems:
@@ -184,7 +193,7 @@ def check_stages(ctx, run) -> bool:
         return False  # a rank stopped before it built its stage: the crash says where
     rep.attempt(36)
     problems = []
-    stage_of = [s["stage_index"] for st in stages for s in st]
+    stage_of = [st[0]["stage_index"] for st in stages if st]  # the training's stage
     if len(stage_of) == len(records) and stage_of != list(range(len(records))):
         problems.append(f"the ranks built stages {stage_of}: PipelineStage(model, stage_index, "
                         "num_stages, device) with stage_index = the global rank (LOCAL_RANK is "
@@ -192,10 +201,13 @@ def check_stages(ctx, run) -> bool:
     for rank, (st, sc) in enumerate(zip(stages, schedules, strict=True)):
         if problems:
             break
-        if len(st) != 1 or st[0]["num_stages"] != len(records):
-            problems.append(f"rank {rank} built {len(st)} PipelineStage(s) "
-                            f"({[s['num_stages'] for s in st]} stages): one per rank, "
-                            "PipelineStage(model, stage_index, num_stages, device)")
+        if (len(st) not in (1, 2) or len({s["stage_index"] for s in st}) != 1
+                or any(s["num_stages"] != len(records) for s in st)):
+            problems.append(f"rank {rank} built {len(st)} PipelineStage(s) (stages "
+                            f"{[s['stage_index'] for s in st]} of "
+                            f"{[s['num_stages'] for s in st]}): one for training and one for "
+                            "evaluation, both PipelineStage(model, stage_index, num_stages, "
+                            "device)")
             break
         kinds = {}
         for s in sc:
@@ -221,7 +233,17 @@ def check_stages(ctx, run) -> bool:
             break
         if "ScheduleGPipe" not in kinds or kinds["ScheduleGPipe"]["loss_fn"] != "lm_loss_sum":
             problems.append("no evaluation schedule: eval_schedule = build_schedule('gpipe', "
-                            "stage, args.microbatches, lm_loss_sum) (it sums, evaluate divides)")
+                            "eval_stage, args.microbatches, lm_loss_sum) (it sums, evaluate "
+                            "divides)")
+            break
+        shared = kinds["ScheduleGPipe"].get("stage")
+        if shared is not None and shared == kinds["Schedule1F1B"].get("stage"):
+            problems.append("eval_schedule runs on the training's stage: give it its own, "
+                            "eval_stage = PipelineStage(model, stage_index, num_stages, device) "
+                            "(a schedule prepares its stage at its first call: the first "
+                            "evaluation prepares a shared one for forward only, and every stage "
+                            "but the last trains on zero gradients after it)")
+            ctx.extra["pp_shared_stage"] = True
             break
     summary = run.summary or {}
     if not problems and not run.crashed and not summary.get("idle_fraction_per_stage"):
@@ -233,8 +255,9 @@ def check_stages(ctx, run) -> bool:
     elif not rep.failed(36):
         idle = summary.get("idle_fraction_per_stage")
         rep.ok(36, f"{len(records)} stages, a 1F1B schedule for training and GPipe for "
-               "evaluation" + (f"; measured idle share per stage "
-                               f"{' '.join(f'{f:.0%}' for f in idle)}" if idle else ""))
+               "evaluation, each on its own PipelineStage"
+               + (f"; measured idle share per stage {' '.join(f'{f:.0%}' for f in idle)}"
+                  if idle else ""))
     return True
 
 
@@ -280,8 +303,8 @@ def check_eval_calls(ctx, run) -> None:
             ev = next(c["autocast"] for c in evals if c["autocast"] != steps[0]["autocast"])
             rep.fail(40, f"rank {rank} runs schedule.eval {describe_autocast(ev)}, "
                      f"schedule.step {describe_autocast(steps[0]['autocast'])}: with "
-                     "autocast(precision, device): around schedule.eval too (in bf16 a stage "
-                     "sends other dtypes than in training, and the pipeline stops)")
+                     "autocast(precision, device): around schedule.eval too (so that it "
+                     "evaluates in the dtypes it trains in: bf16 on a GPU)")
             return
         first_eval = next((i for i, c in enumerate(calls) if c["kind"] == "eval"), None)
         if first_eval is not None and any(c["kind"] == "step" and not c.get("training", True)
@@ -310,8 +333,9 @@ HINTS = {
     36: ("A PipelineStage sends and receives the activations; a schedule runs the microbatches "
          "through the stages; a timer measures the bubble.",
          "split_pipeline_stage(...), PipelineStage(model, stage_index, num_stages, device), "
-         "build_schedule(args.schedule, stage, args.microbatches, lm_loss) and "
-         "build_schedule('gpipe', ..., lm_loss_sum) for evaluation, StageBusyTimer(stage, device)."),
+         "build_schedule(args.schedule, stage, args.microbatches, lm_loss); for evaluation a "
+         "stage of its own, eval_stage = PipelineStage(...), and build_schedule('gpipe', "
+         "eval_stage, ..., lm_loss_sum); StageBusyTimer(stage, device)."),
     37: ("The schedule runs forward, loss and backward for all microbatches: the first stage "
          "gives it the tokens, the last the targets and a list for the losses.",
          "schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None, "
