@@ -118,6 +118,20 @@ def read_summary(out_dir: Path | str) -> dict:
     return json.loads((Path(out_dir) / "summary.json").read_text())
 
 
+def load_dcp_like(folder: Path | str, like: dict) -> dict:
+    """A DCP checkpoint loaded in this one process into tensors shaped like `like`'s, filled
+    with NaN first: a key the checkpoint lacks stays NaN and fails any comparison."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    state = {k: torch.full_like(v, float("nan")) for k, v in like.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
+        dcp.load(state, checkpoint_id=Path(folder))
+    return state
+
+
 def assert_same_weights(got: dict, ref: dict, atol: float = 1e-4):
     """Two runs' weights agree after a few AdamW steps.
 

@@ -5,13 +5,13 @@ one process with the same global batch, and so do its schedules with two stages 
 from __future__ import annotations
 
 import json
-import warnings
 from collections import Counter
 
 import pytest
 import torch
 
-from conftest import assert_same_weights, load_script, read_summary, run_script, script_env
+from conftest import assert_same_weights, load_dcp_like, load_script, read_summary, run_script, \
+    script_env
 from model import TransformerLM, get_config
 from utils.memory import CATEGORIES, relative_error
 
@@ -54,13 +54,8 @@ def test_pp2_x_dp2_x_tp2_on_eight_processes_matches_the_single_process_run(capst
     assert max(nd["params_per_rank"]) < whole / 8 * 1.1
 
     # The 3-D sharded checkpoint loads into the unsplit model and holds the trained weights.
-    import torch.distributed.checkpoint as dcp
-
     ref_weights = torch.load(ref_dir / "final_model.pt", weights_only=True)
-    state = {k: torch.full_like(v, float("nan")) for k, v in ref_weights.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
-        dcp.load(state, checkpoint_id=nd_dir / "final_model")
+    state = load_dcp_like(nd_dir / "final_model", ref_weights)
     assert_same_weights(state, ref_weights, atol=3e-4)
 
 
@@ -141,12 +136,8 @@ def test_two_stages_per_rank_train_like_one_process(schedule, theory, four_layer
     assert {a[0] for a in record["measured"][1]["actions"]} == {1, 3}
     assert (tmp_path / "pipeline_schedule.png").is_file()
     # The checkpoint holds every block once, under the whole model's names.
-    import torch.distributed.checkpoint as dcp
     ref_weights = torch.load(four_layer_reference / "final_model.pt", weights_only=True)
-    state = {k: torch.full_like(v, float("nan")) for k, v in ref_weights.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
-        dcp.load(state, checkpoint_id=tmp_path / "final_model")
+    state = load_dcp_like(tmp_path / "final_model", ref_weights)
     assert_same_weights(state, ref_weights)
 
 

@@ -11,12 +11,11 @@ import math
 import os
 import re
 import sys
-import warnings
 
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_weights, read_summary, run_script, script_env
+from conftest import ROOT, assert_same_weights, load_dcp_like, read_summary, run_script, script_env
 from model import TransformerLM, get_config
 
 SOLUTION = ROOT / "solutions" / "train" / "pp_training.py"
@@ -82,16 +81,11 @@ def test_two_stages_on_two_ranks_match_the_single_process_losses(schedule, theor
 
 def test_a_pipelined_run_s_checkpoint_loads_into_the_unsplit_model(pipeline_run,
                                                                    single_process_run):
-    import torch.distributed.checkpoint as dcp
-
     out, _ = pipeline_run("1f1b")
     ref_weights = torch.load(single_process_run / "final_model.pt", weights_only=True)
     vocab = ref_weights["tok_emb.weight"].shape[0]
     model = TransformerLM(get_config("tiny", vocab_size=vocab))
-    state = {k: torch.full_like(v, float("nan")) for k, v in model.state_dict().items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
-        dcp.load(state, checkpoint_id=out / "final_model")
+    state = load_dcp_like(out / "final_model", model.state_dict())
     model.load_state_dict(state)  # every key of the whole model was in the checkpoint
     assert_same_weights(state, ref_weights)
 
@@ -119,8 +113,6 @@ def test_a_pipelined_run_that_evaluates_between_epochs_keeps_matching_the_single
         script, layout, two_epoch_reference, tmp_path):
     # The evaluation schedule once prepared the training's own stages for forward only: every
     # stage but the last trained on zero gradients from the first validation on.
-    import torch.distributed.checkpoint as dcp
-
     args, ref_dir = two_epoch_reference
     proc = run_script(script, *args, *layout, "--microbatches", 2, "--out-dir", tmp_path,
                       nproc=2, env=script_env(), timeout=240)
@@ -132,10 +124,7 @@ def test_a_pipelined_run_that_evaluates_between_epochs_keeps_matching_the_single
     assert pp["val_loss"] == pytest.approx(ref["val_loss"], rel=1e-5)
     assert pp["test_loss"] == pytest.approx(ref["test_loss"], rel=1e-5)
     ref_weights = torch.load(ref_dir / "final_model.pt", weights_only=True)
-    state = {k: torch.full_like(v, float("nan")) for k, v in ref_weights.items()}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns that no process group exists here
-        dcp.load(state, checkpoint_id=tmp_path / "final_model")
+    state = load_dcp_like(tmp_path / "final_model", ref_weights)
     assert_same_weights(state, ref_weights)
 
 
