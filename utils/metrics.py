@@ -64,10 +64,24 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int | Non
                          seconds: float = 0.3) -> float:
     """FLOP/s of the fastest of repeated square matmuls on `device`: the peak MFU divides by
     where no data sheet applies. The fastest, not the mean: other work on a shared machine only
-    ever slows a matmul down. n x n matmuls with n = 4096 on a GPU (a smaller one leaves a big
-    GPU half idle, and the MFU would come out too high) and 1024 on a CPU (enough to keep its
-    cores busy for milliseconds)."""
-    n = n or (4096 if device.type == "cuda" else 1024)
+    ever slows a matmul down. n x n, with n = 4096 on a GPU (a smaller one leaves a big GPU half
+    idle, and the MFU would come out too high). On a CPU the fastest size depends on the CPU and
+    the dtype (an AVX2 CPU without bf16 units: bf16 at 2.9 GFLOP/s for n = 128, 0.9 for 1024,
+    where one matmul takes 2.4 s and the model's own small matmuls made MFU 250 %): the best of
+    n = 128, 256, ..., doubling while one matmul takes under a tenth of `seconds`."""
+    if n is not None or device.type == "cuda":
+        return _fastest_matmul(device, dtype, n or 4096, seconds)[0]
+    best, n = 0.0, 128
+    while True:
+        flops, one = _fastest_matmul(device, dtype, n, seconds / 4)
+        best = max(best, flops)
+        if one > seconds / 10 or n >= 4096:
+            return best
+        n *= 2
+
+
+def _fastest_matmul(device: torch.device, dtype, n: int, seconds: float) -> tuple[float, float]:
+    """(FLOP/s, seconds) of the fastest n x n matmul repeated for `seconds` (at least once)."""
     # its own generator: measuring must not move the training's random numbers (dropout)
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=dtype, generator=g)
@@ -80,7 +94,7 @@ def measure_matmul_flops(device: torch.device, dtype=torch.float32, n: int | Non
         a @ b
         synchronize(device)
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n ** 3 / best, best
 
 
 def peak_flops(device: torch.device, precision: str = "fp32") -> tuple[float, str]:
