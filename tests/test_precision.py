@@ -235,6 +235,23 @@ def test_measuring_the_peak_leaves_the_training_random_numbers_alone():
     assert torch.equal(torch.rand(3), expected)
 
 
+def test_a_cpu_peak_is_the_fastest_matmul_size_and_stops_growing_once_one_takes_long(
+        monkeypatch):
+    """An AVX2 CPU without bf16 units runs a bf16 matmul fastest small (2.9 GFLOP/s at 128,
+    0.9 at 1024, 2.4 s each): the peak is the best size's, and no size past one that takes a
+    tenth of the time allowed is tried."""
+    speed = {128: 2.9e9, 256: 1.3e9, 512: 1.3e9, 1024: 0.9e9}  # FLOP/s of one n x n matmul
+    tried = []
+
+    def fastest(device, dtype, n, seconds):
+        tried.append(n)
+        return speed[n], 2 * n ** 3 / speed[n]
+    monkeypatch.setattr(metrics, "_fastest_matmul", fastest)
+    assert metrics.measure_matmul_flops(CPU, torch.bfloat16, seconds=1.0) == 2.9e9
+    assert tried == [128, 256, 512]  # 512 took 0.2 s, more than a tenth of 1 s
+    assert metrics.measure_matmul_flops(CPU, torch.bfloat16, n=1024) == 0.9e9  # asked for
+
+
 def test_the_training_summary_reports_the_precision_and_its_peak(monkeypatch):
     monkeypatch.setenv("PEAK_FLOPS", "1e12")
     throughput = SimpleNamespace(tokens_per_s=lambda: 1000.0)
