@@ -25,6 +25,7 @@ import signal
 import sys
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 # The modules of the check's fork server when it forked this rank (selfcheck/runs.py sets it):
@@ -53,6 +54,7 @@ class Probe:
             "forward_dtypes": [], "autocast_forward": [], "compile_calls": [],
         }
         self.datasets, self.samplers, self.models, self.optimizers = [], [], [], []
+        self.ddp_models = []  # weak references: whether the script let its DDP model go
         self.on_print = None  # the stand-in GPU's timeline takes the printed lines too
         self.autocasts_open = 0  # autocast contexts (the course's or torch's) entered, not left
         self.evaluating = 0  # inside a pipeline schedule's eval()
@@ -236,6 +238,7 @@ class Probe:
         mt.TransformerLM.__init__ = model_init_
 
         def ddp_init(self, module, *a, **k):
+            probe.ddp_models.append(weakref.ref(self))
             device_ids = k.get("device_ids", a[0] if a else None)
             where = probe.script_line(3)
             record["ddp"].append({"device_ids": list(device_ids) if device_ids else None,
@@ -292,6 +295,10 @@ class Probe:
             def before(*a, **k):
                 probe.note_call(name)
                 probe.snapshot()
+                if probe.ddp_models and "ddp_alive_at_destroy" not in record:
+                    gc.collect()  # what the course's helper does first: cycles go too
+                    record["ddp_alive_at_destroy"] = any(r() is not None
+                                                         for r in probe.ddp_models)
             return before
         wrap(du, "destroy_process_group", before=destroying("destroy_process_group"))
 

@@ -137,6 +137,8 @@ MISTAKES = [
        "            train_sampler.set_epoch(step)\n"
        "            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)\n")]),
     ("ddp", DDP, "no destroy_process_group", 11, [("    destroy_process_group()\n", "")]),
+    ("ddp", DDP, "the DDP model kept alive past destroy_process_group", 11,
+     [("    del model, optimizer\n", "")]),
     ("ddp", DDP, "destroy_process_group before the end", 11,
      [("    destroy_process_group()\n", ""),
       ("    write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)\n",
@@ -951,6 +953,8 @@ ONLY_FIXED = {
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
+    ("ddp", DDP, "the model and optimizer let go by setting them to None",
+     [("    del model, optimizer\n", "    model = optimizer = None\n")]),
     ("fsdp", FSDP, "every unit resharded by name, blocks then root",
      [("    for unit in model.modules():\n        if isinstance(unit, FSDPModule):\n"
        "            unit.reshard()\n",

@@ -344,6 +344,10 @@ def check_teardown(ctx, run) -> None:
     elif run.ranks[0]["group_alive"]:
         rep.fail(11, "the process group is still there at the end: del model, optimizer; then "
                  "destroy_process_group()")
+    elif run.ranks[0].get("ddp_alive_at_destroy"):
+        rep.fail(11, "the DDP model still exists when the process group is destroyed: "
+                 "del model, optimizer before destroy_process_group(), so that DDP's "
+                 "communication buffers go while the group still exists")
     else:
         rep.ok(11, "the process group is destroyed at the end")
 
