@@ -620,6 +620,14 @@ MISTAKES = [
        "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n")]),
     ("perf", PERF, "CUDA graphs for the blocks only", 63,
      [("        loss_fn = torch.compile(lm_loss, mode=args.compile_mode)\n", "")]),
+    ("perf", PERF, "the mode of the lesson written in", 63,
+     [("        compile_blocks(model, args.compile_mode)\n"
+       "        loss_fn = torch.compile(lm_loss, mode=args.compile_mode)\n",
+       "        compile_blocks(model, \"reduce-overhead\")\n"
+       "        loss_fn = torch.compile(lm_loss, mode=\"reduce-overhead\")\n")]),
+    ("perf", PERF, "--compile-mode passed on for reduce-overhead alone", 63,
+     [("    if args.compile and args.compile_mode not in (None, \"default\"):\n",
+       "    if args.compile and args.compile_mode == \"reduce-overhead\":\n")]),
     ("perf", PERF, "--compile-mode never passed on", 63,
      [("    if args.compile and args.compile_mode not in (None, \"default\"):\n"
        "        compile_blocks(model, args.compile_mode)\n"
@@ -864,6 +872,11 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the DDP model kept alive past destroy_process_group": ("del model, optimizer before",),
+    "the mode of the lesson written in": ("compiled in mode reduce-overhead",
+                                          "mode=args.compile_mode"),
+    "--compile-mode passed on for reduce-overhead alone": ("compiled in the default mode",
+                                                           "compile_blocks(model, args.compile_mode)"),
     "ZeroRedundancyOptimizer without AdamW's arguments": ("weight_decay=", "lr=args.lr"),
     "only the root sharded": ("only the root", "fully_shard(block"),
     "the ModuleDict of blocks sharded as one": ("ModuleDict(...)", "each block of model.layers"),
