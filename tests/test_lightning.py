@@ -27,7 +27,7 @@ pytest.importorskip("lightning")
 from utils.lit_checkpoints import AtomicCheckpointIO  # noqa: E402 (needs lightning)
 
 LIT_SCRIPT = "train/Lit_training.py"
-# --seq-len 31 gives the synthetic validation split 349 windows: odd, so with 2 ranks one rank
+# --seq-len 31 gives the synthetic validation split 87 windows: odd, so with 2 ranks one rank
 # evaluates a padding sample, and with --batch-size 8 the last batch is partial.
 TINY = ("--dataset", "synthetic", "--preset", "tiny", "--seq-len", "31", "--dropout", "0",
         "--batch-size", "8", "--seed", "3")
