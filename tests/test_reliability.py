@@ -112,11 +112,12 @@ def test_a_bad_script_specific_flag_stops_with_one_line_naming_it(tmp_path, scri
 def test_fewer_training_windows_than_one_batch_stops_at_once_with_the_sizes_that_work(
         tmp_path, data_cache, script):
     start = time.monotonic()
-    proc = run(SCRIPTS[script], *TINY, "--seq-len", "8000", "--out-dir", tmp_path / "run",
-               COURSE_DATA_CACHE=data_cache)
-    line = error_line(proc, "the train split of synthetic has", "13 windows of --seq-len 8000",
-                      "one global batch of 32", "--seq-len 3340 or less",
-                      "--batch-size 13 or less")
+    # (a --seq-len the validation split takes: 2,714 tokens)
+    proc = run(SCRIPTS[script], *TINY, "--seq-len", "2000", "--batch-size", "64", "--out-dir",
+               tmp_path / "run", COURSE_DATA_CACHE=data_cache)
+    line = error_line(proc, "the train split of synthetic has", "53 windows of --seq-len 2000",
+                      "one global batch of 64", "--seq-len 1670 or less",
+                      "--batch-size 53 or less")
     assert line.startswith("error: ")
     assert time.monotonic() - start < 60  # it did not train 10 epochs of nothing first
     assert not (tmp_path / "run").exists()
