@@ -149,9 +149,12 @@ def check_reports(ctx, run) -> None:
     theirs = {int(STEP.search(l).group(1)): number(*RATE.search(l).groups(default=""))
               for l in monitor if STEP.search(l) and RATE.search(l)}
     agree = [(s, t / theirs[s]) for s, t, _ in reports if theirs.get(s)]
-    if len(agree) >= 3 and not all(0.75 <= q <= 1.33 for _, q in agree):
+    off = [(s, q) for s, q in agree if not 0.75 <= q <= 1.33]
+    # at two steps or more: a wrong count or interval is off at many steps, a moment of a busy
+    # machine at one (a right file's first timed step read 1.5 x in CI)
+    if len(agree) >= 3 and len(off) >= 2:
         qs = [q for _, q in agree]
-        step, q = next((s, q) for s, q in agree if not 0.75 <= q <= 1.33)
+        step, q = off[0]
         one_rank = all(abs(q * world - 1) < 0.15 for q in qs)
         how = ("count the tokens of all ranks, interval_tokens += x.numel() * world_size"
                if one_rank else "the rate of the interval since the last report: after each "
