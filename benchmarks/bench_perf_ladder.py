@@ -4,6 +4,9 @@ Prints a table; asserts nothing.
 
     python benchmarks/bench_perf_ladder.py                       # a GPU: the workshop preset
     python benchmarks/bench_perf_ladder.py --preset tiny --steps 6 --rows 1,3,4   # a CPU
+    python benchmarks/bench_perf_ladder.py --rows 11,nodrop,model+nodrop --kernels 11
+        # the last row against dropout 0 and, with it, the whole model compiled; where the
+        # last row's GPU time goes, by kind of kernel (a GPU)
 
 The two ceilings: the data sheet's dense peak of the dtype the matmuls run in (what MFU
 divides by in the scripts), and a large matmul measured on this device in that dtype (what the
@@ -82,6 +85,7 @@ EXTRA = {  # one change against the ladder's last row (what else the lesson ment
     "model": dict(compile="model+loss"),
     "cudnn": dict(attention="cudnn"),
     "b32": dict(batch=32),
+    "autotune": dict(mode="max-autotune-no-cudagraphs"),  # Triton's matmuls tried against cuBLAS
 }
 
 
@@ -108,6 +112,44 @@ def attention_kernels(device) -> str:
     return "; ".join(found) or "none named"
 
 
+KERNEL_KINDS = (  # what a GPU kernel's name says it does, first match wins
+    ("attention", ("flash", "fmha", "sdpa", "attention", "cudnn")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "matmul")),
+    ("optimizer", ("multi_tensor", "adam", "foreach")),
+    ("fused by compile (Triton)", ("triton_",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    name = name.lower()
+    return next((kind for kind, words in KERNEL_KINDS if any(w in name for w in words)), "other")
+
+
+def gpu_time_by_kernel(step, steps: int = 3) -> tuple[list, list]:
+    """Where a step's GPU time goes, from the profiler (the view of the performance step's
+    TODO 59, grouped by the kernels' names): per kind and for the largest kernels, the
+    milliseconds and the launches per step."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            step(i)
+        torch.cuda.synchronize()
+    kinds: dict[str, list[float]] = {}
+    kernels: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type.name != "CUDA":
+            continue
+        for table, key in ((kinds, kernel_kind(e.name)), (kernels, e.name[:70])):
+            t = table.setdefault(key, [0.0, 0.0])
+            t[0] += e.device_time / 1e3 / steps
+            t[1] += 1 / steps
+
+    def largest(table, n):
+        return sorted(((k, ms, round(count)) for k, (ms, count) in table.items()),
+                      key=lambda r: -r[1])[:n]
+    return largest(kinds, len(kinds)), largest(kernels, 12)
+
+
 def padded_vocab(vocab_size: int, multiple: int) -> int:
     return -(-vocab_size // multiple) * multiple
 
@@ -116,7 +158,8 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ceilings) -> dict:
+def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ceilings,
+        kernels: bool = False) -> dict:
     precision = set_precision(s.precision, device)
     vocab = s.vocab or vocab
     padded = padded_vocab(vocab, s.pad_vocab)
@@ -178,6 +221,12 @@ def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ce
         else:
             gpu.append(host[-1])
     seconds = statistics.median(gpu)
+    if kernels and cuda:
+        by_kind, largest = gpu_time_by_kernel(step)
+        print(f"GPU time per step of '{s.label}' by kind of kernel: " + "; ".join(
+            f"{kind} {ms:.1f} ms ({n} launches)" for kind, ms, n in by_kind), flush=True)
+        for name, ms, n in largest:
+            print(f"    {ms:6.2f} ms {n:4d} x {name}", flush=True)
     tokens = s.batch * cfg.max_seq_len
     tokens_per_s = tokens / seconds
     # FLOPs of the model as it is (a padded vocabulary's extra rows are counted: they are
@@ -200,6 +249,23 @@ def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ce
                 peak_memory_gib=peak_mem / 2**30, warmup_s=warm_s, flops_per_token=fpt)
 
 
+def chosen_rows(full: list[Setting], spec: str) -> list[Setting]:
+    """Rows by number (1-based) or by extra name; names joined by "+" combine their changes
+    (model+nodrop), each against the ladder's last row."""
+    chosen = []
+    for r in spec.split(","):
+        names = r.split("+")
+        if r.isdigit() and 1 <= int(r) <= len(full):
+            chosen.append(full[int(r) - 1])
+        elif not r.isdigit() and all(name in EXTRA for name in names):
+            change = {k: v for name in names for k, v in EXTRA[name].items()}
+            chosen.append(dataclasses.replace(full[-1], label=r, **change))
+        else:
+            raise SystemExit(f"--rows/--kernels: no row {r!r}; give row numbers 1-{len(full)} "
+                             f"or names of {', '.join(EXTRA)}, joined by + to combine them")
+    return chosen
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="workshop")
@@ -207,11 +273,14 @@ def main():
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--big-batch", type=int, default=128)
     p.add_argument("--rows", default="ladder",
-                   help="ladder, or comma-separated row numbers (1-based) and extra names: "
-                        + ", ".join(EXTRA))
+                   help="ladder, or comma-separated row numbers (1-based) and extra names, "
+                        "joined by + to combine them: " + ", ".join(EXTRA))
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--json", help="write every row's numbers to this file")
+    p.add_argument("--kernels", default="",
+                   help="comma-separated rows (as in --rows) whose GPU time to break down by "
+                        "kernel, from the profiler (a GPU only)")
     args = p.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -222,17 +291,11 @@ def main():
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     print(f"{args.preset} preset, vocabulary {args.vocab}, torch {torch.__version__}, "
           f"{device.type} ({name or platform.machine()})", flush=True)
-    rows = ladder(args.batch_size, args.big_batch)
-    if args.rows != "ladder":
-        chosen = []
-        for r in args.rows.split(","):
-            if r.isdigit():
-                chosen.append(rows[int(r) - 1])
-            else:
-                chosen.append(dataclasses.replace(rows[-1], label=r, **EXTRA[r]))
-        rows = chosen
+    full = ladder(args.batch_size, args.big_batch)
+    rows = full if args.rows == "ladder" else chosen_rows(full, args.rows)
+    kernel_rows = {r.label for r in chosen_rows(full, args.kernels)} if args.kernels else set()
     # the two ceilings, once each: the data sheet's and a big matmul's on this device
-    n = 8192 if device.type == "cuda" else 1024
+    n = 8192 if device.type == "cuda" else None  # a CPU: its fastest size (measure_matmul_flops)
     ceilings = {"sheet": {pr: peak_flops(device, pr) for pr in ("fp32", "tf32", "bf16")},
                 "measured": {}}
     for precision, dtype in (("fp32", torch.float32), ("tf32", torch.float32),
@@ -253,7 +316,8 @@ def main():
     results, base = [], None
     for s in rows:
         try:
-            r = run(s, args.preset, device, args.vocab, args.warmup, args.steps, ceilings)
+            r = run(s, args.preset, device, args.vocab, args.warmup, args.steps, ceilings,
+                    kernels=s.label in kernel_rows)
         except Exception as e:  # noqa: BLE001 - one failing setting must not lose the others
             traceback.print_exc(file=sys.stdout)
             print(f"| {s.label} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |",
