@@ -88,7 +88,8 @@ def assert_same(a: dict, b: dict, atol=0.0):
     assert a.keys() == b.keys()
     for k in a:
         if isinstance(a[k], torch.Tensor):
-            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0,
+                                       msg=lambda m, k=k: f"{k}: {m}")
         else:
             assert a[k] == b[k], k
 
@@ -151,7 +152,7 @@ def mixed_precision_and_resharding(rank, world_size):
         model = sharded_model(mixed_precision=mp, reshard_after_forward=reshard)
         seen = []
         hook = model.layers["0"].mlp.in_proj.register_forward_hook(
-            lambda m, inputs, out: seen.append((inputs[0].dtype, m.weight.dtype)))
+            lambda m, inputs, out, seen=seen: seen.append((inputs[0].dtype, m.weight.dtype)))
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = train_steps(model, optimizer, data, rank, world_size)
         hook.remove()

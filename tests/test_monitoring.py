@@ -26,7 +26,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, read_summary, run_script, script_env
+from conftest import read_summary, run_script, script_env
 from distributed import run_distributed
 from utils.metrics import FINAL_METRICS, Throughput
 from utils.monitor import TrainingMonitor, format_duration, planned_steps
@@ -364,7 +364,7 @@ def straggler_run(rank, world_size):
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(0)
     model, optimizer, throughput, monitor, recorder = monitored(DDP(SlowOnRankOne()))
-    for step in range(1, 6):
+    for _ in range(1, 6):
         model(torch.randn(8, 4)).sum().backward()
         optimizer.step()
         throughput.step(32)

@@ -101,7 +101,7 @@ def fsdp_compute_dtypes(rank, world_size):
         model = fsdp.apply_fsdp(TransformerLM(get_config("tiny", vocab_size=97)), precision)
         seen = []
         model.layers["0"].mlp.in_proj.register_forward_hook(
-            lambda m, inputs, out: seen.append((m.weight.dtype, out.dtype)))
+            lambda m, inputs, out, seen=seen: seen.append((m.weight.dtype, out.dtype)))
         logits = model(torch.randint(97, (2, 8)))
         result[precision] = dict(compute=seen[0], logits=logits.dtype,
                                  master=model.layers["0"].mlp.in_proj.weight.dtype)
@@ -192,7 +192,7 @@ def test_the_pcie_h100_has_lower_peaks_than_the_sxm_h100(monkeypatch):
     monkeypatch.delenv("PEAK_FLOPS", raising=False)
     peaks = {}
     for name in ("NVIDIA H100 PCIe", "NVIDIA H100 80GB HBM3"):
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
         peaks[name] = [metrics.peak_flops(CUDA, p)[0] for p in ("fp32", "tf32", "bf16")]
     assert peaks["NVIDIA H100 PCIe"] == [51.2e12, 378e12, 756.5e12]
     assert all(p < s for p, s in zip(peaks["NVIDIA H100 PCIe"], peaks["NVIDIA H100 80GB HBM3"]))

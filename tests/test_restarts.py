@@ -54,7 +54,7 @@ def assert_same_weights(a, b, atol=1e-4):
     a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=0, msg=lambda m, k=k: f"{k}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------

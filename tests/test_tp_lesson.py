@@ -86,7 +86,7 @@ def test_two_tp_ranks_give_the_single_process_logits_loss_and_gradients():
         for name, p in ref.named_parameters():
             torch.testing.assert_close(torch.from_numpy(r["grads"][name]), p.grad,
                                        rtol=1e-4, atol=1e-6,
-                                       msg=lambda m: f"{name}: {m}")
+                                       msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.fixture(scope="module")
