@@ -8,6 +8,8 @@ started it, not read back from the script, so a wrong guess in either is caught.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 
 import pytest
@@ -318,6 +320,24 @@ def test_the_planner_says_16_bytes_per_parameter_for_mixed_precision_adamw(tmp_p
     assert (zero3["parameters"] + zero3["gradients"] + zero3["optimizer"]) / 7e9 == \
         pytest.approx(16 / 8)
     assert zero3["fits"]
+
+
+def test_under_gpipe_the_first_stage_keeps_every_microbatch_and_under_1f1b_one_per_stage():
+    cfg = get_config("workshop", vocab_size=33278, dropout=0.0)
+
+    def activations(**pipeline):
+        return planner().plan(cfg, gpus=2, gpu_memory_gib=80, batch_size=32, pp=2,
+                              **pipeline)["layouts"][planner().DDP]["activations"]
+    one_f_one_b, gpipe = activations(microbatches=8), activations(microbatches=8, schedule="gpipe")
+    assert gpipe == pytest.approx(4 * one_f_one_b)  # 8 microbatches alive against 2
+    # with as many microbatches as stages the two schedules keep the same
+    assert activations(microbatches=2, schedule="gpipe") == pytest.approx(
+        activations(microbatches=2))
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        planner().main(["--preset", "workshop", "--gpus", "2", "--pp", "2", "--microbatches", "8",
+                        "--schedule", "gpipe"])
+    assert "pp 2 (8 microbatches, gpipe; the first stage)" in text.getvalue()
 
 
 def test_the_planner_refuses_degrees_that_do_not_divide_the_gpus():

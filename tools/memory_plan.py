@@ -70,21 +70,28 @@ def layouts(gpus: int, tp: int, pp: int) -> dict[str, Layout]:
 
 def plan(cfg: ModelConfig, *, gpus: int, gpu_memory_gib: float, batch_size: int, tp: int = 1,
          pp: int = 1, precision: str = "bf16", params: float | None = None,
-         microbatches: int | None = None) -> dict:
-    """Per layout: bytes per GPU by category, the total on the GPU, in host memory, and fits."""
+         microbatches: int | None = None, schedule: str = "1f1b") -> dict:
+    """Per layout: bytes per GPU by category, the total on the GPU, in host memory, and fits.
+
+    With pipeline stages the first stage is the fullest: the embeddings, its blocks and the
+    activations of the microbatches it has run forward but not yet backward. Under 1F1B that is
+    at most one per stage (it starts a backward as soon as the last stage can); under GPipe all
+    of them (every forward runs before the first backward)."""
     if gpus % (tp * pp):
         raise SystemExit(f"error: --gpus {gpus} must be a multiple of --tp {tp} x --pp {pp}")
     layers_per_stage = -(-cfg.n_layers // pp)
     counts = param_counts(cfg)
     counted = counts["sharded"] + counts["replicated"]
     scale = (params / counted) if params else 1.0  # --params: the given count, not the shape's
+    if schedule not in ("1f1b", "gpipe"):
+        raise SystemExit(f"error: --schedule {schedule}: give 1f1b or gpipe")
     microbatches = (microbatches or pp) if pp > 1 else 1
     tokens = batch_size * cfg.max_seq_len // microbatches  # of one microbatch
     rows = {}
     for name, layout in layouts(gpus, tp, pp).items():
-        if pp > 1:  # the first stage: embeddings and its blocks, 1F1B: pp microbatches alive
-            layout = replace(layout, layers=layers_per_stage, last=False,
-                             microbatches=min(pp, microbatches))
+        if pp > 1:  # the first stage (see above)
+            alive = min(pp, microbatches) if schedule == "1f1b" else microbatches
+            layout = replace(layout, layers=layers_per_stage, last=False, microbatches=alive)
         numbers = predict(cfg, tokens, layout, precision=precision)
         state = {k: numbers[k] * scale for k in ("parameters", "gradients", "optimizer")}
         row = {**state, "activations": numbers["activations"],
@@ -95,7 +102,7 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_memory_gib: float, batch_size: int,
         row["fits"] = row["gpu_total"] <= USABLE * gpu_memory_gib * GiB
         rows[name] = row
     return {"model": cfg.to_dict(), "params": params or counted, "gpus": gpus, "tp": tp,
-            "pp": pp, "dp": gpus // (tp * pp), "batch_size": batch_size,
+            "pp": pp, "microbatches": microbatches, "schedule": schedule, "dp": gpus // (tp * pp), "batch_size": batch_size,
             "precision": precision, "gpu_memory_gib": gpu_memory_gib, "usable_share": USABLE,
             "layouts": rows}
 
@@ -118,7 +125,10 @@ def render(result: dict) -> str:
     lines = [f"{count_text(result['params'])} parameters (d_model {m['d_model']}, "
              f"{m['n_layers']} layers, vocabulary {m['vocab_size']}, sequence {m['max_seq_len']}); "
              f"{result['gpus']} GPUs of {result['gpu_memory_gib']:g} GiB = dp {result['dp']} x "
-             f"tp {result['tp']} x pp {result['pp']}; batch {result['batch_size']} sequences "
+             f"tp {result['tp']} x pp {result['pp']}"
+             + (f" ({result['microbatches']} microbatches, {result['schedule']}; the first "
+                f"stage)" if result["pp"] > 1 else "")
+             + f"; batch {result['batch_size']} sequences "
              f"per GPU, {result['precision']}; activations with dropout off (dropout adds its "
              f"masks); total = the sum of the columns, as in the scripts' memory line",
              f"{unit + ' per GPU':<42}{'params':>9}{'grads':>9}{'optim':>9}{'activ':>9}"
@@ -147,11 +157,17 @@ def main(argv=None) -> None:
                    help="vocabulary (default: WikiText-2's 33278 for presets, else 32000)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="pieces each batch is cut into with --pp (default: one per stage; "
+                        "train/pp_training.py's default is 4)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="the pipeline schedule with --pp: under gpipe every microbatch's "
+                        "activations are kept until the backward (default 1f1b, as the scripts)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
     p.add_argument("--json", metavar="PATH", help="write the numbers to PATH")
     args = p.parse_args(argv)
-    for flag in ("gpus", "batch_size", "tp", "pp"):
-        if getattr(args, flag) < 1:
+    for flag in ("gpus", "batch_size", "tp", "pp", "microbatches"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be at least 1")
     if args.preset:
         cfg = replace(PRESETS[args.preset], vocab_size=args.vocab or 33278, dropout=0.0,
@@ -160,7 +176,7 @@ def main(argv=None) -> None:
         cfg = shape_for(args.params, args.vocab or 32000, args.seq_len or 4096)
     result = plan(cfg, gpus=args.gpus, gpu_memory_gib=args.gpu_memory,
                   batch_size=args.batch_size, tp=args.tp, pp=args.pp, precision=args.precision,
-                  params=args.params)
+                  params=args.params, microbatches=args.microbatches, schedule=args.schedule)
     print(render(result))
     if args.json:
         try:  # whole or not at all, and valid JSON (NaN as null)
