@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+import warm_launch
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_WIKITEXT2_SMALL = ROOT.parent / "shared" / "data" / "wikitext-2-small"
 
@@ -82,22 +84,47 @@ def no_gpu_reason() -> str | None:
     return None
 
 
+_warm_start = False  # this test module's runs fork from the warm server (the marker below)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _launch_of_this_module(request):
+    """`pytestmark = pytest.mark.warm_start` in a test module: its run_script calls fork the
+    ranks from a warm server (tests/warm_launch.py) instead of starting python or torchrun,
+    which import torch again in every process (5 of the 6.5 s of a tiny run). For modules about
+    what the scripts compute; modules about launching, signals or a process's memory start
+    real processes. COURSE_TESTS_REAL_START=1 starts real processes everywhere."""
+    global _warm_start
+    _warm_start = (request.node.get_closest_marker("warm_start") is not None
+                   and os.environ.get("COURSE_TESTS_REAL_START") != "1")
+    yield
+    _warm_start = False
+
+
 def run_script(script: str, *args, nproc: int = 1, env: dict | None = None, timeout: float = 300,
                check: bool = True, torchrun_args=(), torchrun: bool | None = None
                ) -> subprocess.CompletedProcess:
     """Run a course script from the repository root: plain python for nproc=1, else torchrun
-    (torchrun=True: torchrun also for one process).
+    (torchrun=True: torchrun also for one process). In a module marked warm_start the ranks
+    are forked from a warm server with torchrun's environment instead, except where torchrun
+    itself is asked for (torchrun=True, torchrun_args) or `env` sets what a process reads as it
+    starts (tests/warm_launch.py: a sitecustomize on PYTHONPATH, torch's settings, the GPUs).
 
     With check, a failing run raises with the tail of its output in the message.
     """
-    if not (torchrun or (torchrun is None and nproc > 1)):
-        cmd = [sys.executable, script]
+    env = env or script_env()
+    if _warm_start and not (torchrun or torchrun_args or warm_launch.needs_a_real_start(env)):
+        proc = warm_launch.run(script, [str(a) for a in args], nproc, env, timeout)
+        cmd = [f"(ranks forked warm, {nproc} x)", script, *map(str, args)]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc_per_node={nproc}", *torchrun_args, script]
-    cmd += [str(a) for a in args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or script_env(), capture_output=True, text=True,
-                          timeout=timeout)
+        if not (torchrun or (torchrun is None and nproc > 1)):
+            cmd = [sys.executable, script]
+        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={nproc}", *torchrun_args, script]
+        cmd += [str(a) for a in args]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited with {proc.returncode}\n"
                              f"--- stdout (tail)\n{proc.stdout[-3000:]}\n"

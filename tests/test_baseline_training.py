@@ -11,6 +11,7 @@ from conftest import read_summary, run_script, script_env
 from model import TransformerLM, get_config
 from utils.data import TokenWindows, load_corpus
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 EXERCISE = "train/to_distributed_training.py"
 SUMMARY_FIELDS = {"world_size", "steps", "loss_history", "val_loss", "val_ppl", "test_loss",
                   "test_ppl", "tokens_per_s", "mfu", "peak_mem_bytes"}

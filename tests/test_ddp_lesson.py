@@ -8,6 +8,7 @@ from conftest import assert_same_weights, read_summary, run_script, script_env
 from test_baseline_training import evaluate_file
 from utils.data import TokenWindows, load_corpus
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 SOLUTION = "solutions/train/to_distributed_training.py"
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
           "--seed", 3)

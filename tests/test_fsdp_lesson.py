@@ -24,7 +24,8 @@ COMMON = ["--dataset", "synthetic", "--preset", "tiny", "--dropout", "0", "--see
 CFG = dict(vocab_size=97, dropout=0.0)
 TIMEOUT = 120  # seconds, for every multi-process run
 
-pytestmark = pytest.mark.slow  # real processes: about 2 minutes for the module on 2 idle cores
+# real processes (forked warm: tests/warm_launch.py): about 1.5 minutes for the module on 2 cores
+pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
 
 
 def load_solution():

@@ -22,6 +22,7 @@ from conftest import assert_same_weights, load_script, run_script, script_env
 from model import transformer
 from utils.saved_model import load_trained_model
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--seed", 3,
           "--logger", "none", "--max-steps", 4)
 PROMPT = "w1 w2 w3 w4 w5"

@@ -26,6 +26,7 @@ from utils.data import IGNORE_INDEX, TokenWindows, load_corpus
 pytest.importorskip("lightning")
 from utils.lit_checkpoints import AtomicCheckpointIO  # noqa: E402 (needs lightning)
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 LIT_SCRIPT = "train/Lit_training.py"
 # --seq-len 31 gives the synthetic validation split 87 windows: odd, so with 2 ranks one rank
 # evaluates a padding sample, and with --batch-size 8 the last batch is partial.

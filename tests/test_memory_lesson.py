@@ -28,7 +28,8 @@ LAYOUTS = {  # name: (extra arguments, the formula's layout for 2 ranks)
     "offload": (["--layout", "offload"], Layout(dp=2, zero=3, offload=True)),
 }
 
-pytestmark = pytest.mark.slow  # 7 runs of real processes: about 1.5 minutes on 2 idle cores
+# 7 runs of real processes (forked warm: tests/warm_launch.py): about 20 s on 2 idle cores
+pytestmark = [pytest.mark.slow, pytest.mark.warm_start]
 
 
 @pytest.fixture(scope="module")

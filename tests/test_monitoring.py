@@ -32,6 +32,7 @@ from utils.metrics import FINAL_METRICS, Throughput
 from utils.monitor import TrainingMonitor, format_duration, planned_steps
 from utils.system_metrics import FIELDS, SystemSampler
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 TINY = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--seed", 3,
         "--max-steps", 3, "--log-every", 1, "--batch-size", 8)
 EVERY_STEP = {"train/loss", "train/tokens_per_s", "train/mfu", "train/step_s", "train/data_wait",

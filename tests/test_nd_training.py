@@ -15,6 +15,7 @@ from conftest import assert_same_weights, load_dcp_like, load_script, read_summa
 from model import TransformerLM, get_config
 from utils.memory import CATEGORIES, relative_error
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 SCRIPT = "train/nd_training.py"
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--max-steps", 3, "--dropout", 0,
           "--seed", 5, "--logger", "none", "--log-every", 1)

@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, read_summary, run_script, script_env
 
 EXERCISE, SOLUTION = "train/perf_training.py", "solutions/train/perf_training.py"
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
           "--seed", 3, "--batch-size", 8)
 PHASES = {"forward", "backward", "optimizer", "communication"}

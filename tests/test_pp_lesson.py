@@ -18,6 +18,7 @@ import torch
 from conftest import ROOT, assert_same_weights, load_dcp_like, read_summary, run_script, script_env
 from model import TransformerLM, get_config
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 SOLUTION = ROOT / "solutions" / "train" / "pp_training.py"
 RUN_ARGS = ("--dataset", "synthetic", "--preset", "tiny", "--max-steps", 4, "--batch-size", 8,
             "--dropout", 0, "--seed", 3, "--logger", "none", "--log-every", 1)

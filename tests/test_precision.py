@@ -21,6 +21,7 @@ from utils.precision import (autocast, lightning_precision, matmul_dtype, resolv
                              set_precision)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 COMMON = ("--dataset", "synthetic", "--preset", "tiny", "--dropout", 0, "--logger", "none",
           "--seed", 3, "--log-every", 1000)
 

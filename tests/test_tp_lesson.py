@@ -14,6 +14,7 @@ from conftest import ROOT, assert_same_weights, read_summary, run_script, script
 from distributed import run_distributed
 from model import TransformerLM, get_config
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 SOLUTION = ROOT / "solutions" / "train" / "tp_training.py"
 # dropout 0 and one seed: the runs must agree to float tolerance
 RUN_ARGS = ("--dataset", "synthetic", "--preset", "tiny", "--max-steps", 4, "--batch-size", 8,

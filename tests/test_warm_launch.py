@@ -1,0 +1,49 @@
+"""tests/warm_launch.py, the lesson tests' way of starting a script's ranks: forked from a warm
+server, they train exactly as under torchrun, report a failing rank as torchrun does, and an
+environment a forked rank could not honour gets a real start."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import warm_launch
+from conftest import ROOT, read_summary, script_env
+
+SOLUTION = "solutions/train/to_distributed_training.py"
+ARGS = ["--dataset", "synthetic", "--preset", "tiny", "--dropout", "0", "--logger", "none",
+        "--seed", "3", "--max-steps", "4", "--batch-size", "4", "--log-every", "1"]
+
+
+def test_two_warm_ranks_train_exactly_as_two_ranks_under_torchrun(tmp_path, data_cache):
+    env = script_env(cache_dir=data_cache)
+    warm = warm_launch.run(SOLUTION, [*ARGS, "--out-dir", str(tmp_path / "warm")], 2, env, 240)
+    assert warm.returncode == 0, warm.stderr[-3000:]
+    real = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", SOLUTION, *ARGS, "--out-dir",
+                           str(tmp_path / "real")], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)
+    assert real.returncode == 0, real.stderr[-3000:]
+    a, b = read_summary(tmp_path / "warm"), read_summary(tmp_path / "real")
+    assert a["world_size"] == b["world_size"] == 2
+    assert a["loss_history"] == b["loss_history"] and a["val_loss"] == b["val_loss"]
+    assert "world size 2" in warm.stdout  # rank 0's lines come back on stdout
+
+
+def test_a_failing_rank_gives_its_exit_code_and_its_message_on_stderr(tmp_path, data_cache):
+    env = script_env(cache_dir=data_cache)
+    proc = warm_launch.run(SOLUTION, [*ARGS, "--batch-size", "0", "--out-dir", str(tmp_path)],
+                           2, env, 120)
+    assert proc.returncode == 2  # argparse's, as python's would be
+    assert "--batch-size" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("setting", [
+    {"PYTHONPATH": os.pathsep.join([str(ROOT / "tests" / "faults"), str(ROOT)])},
+    {"TORCHINDUCTOR_CACHE_DIR": "/tmp/elsewhere"},
+    {"OMP_NUM_THREADS": "2"},
+    {"CUDA_VISIBLE_DEVICES": "0"}])
+def test_what_a_process_reads_as_it_starts_gets_a_real_start(setting):
+    assert warm_launch.needs_a_real_start(script_env()) is None
+    assert warm_launch.needs_a_real_start({**script_env(), **setting}) == next(iter(setting))
