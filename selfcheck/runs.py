@@ -122,25 +122,39 @@ class Rank:
         self.process.join()
 
 
-def rank_main(probe_args: list[str], env: dict, log: str) -> None:
-    """The start of a rank, in the forked process: its own session, output file, environment
-    and working folder, then the probe."""
+def enter_rank(env: dict, out: str, err: str | None = None) -> None:
+    """The start of a rank, in the forked process: its own session (so that killing it kills
+    what it started), its output in a file (stderr in `err`, or with stdout), its environment
+    and the repository as its working folder. (Also tests/warm_launch.py's ranks.)"""
     os.setsid()
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for fd, path in ((1, out), (2, err)):
+        if path is None:
+            os.dup2(1, 2)
+            continue
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(opened, fd)
+        os.close(opened)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
     os.chdir(ROOT)
+
+
+def rank_main(probe_args: list[str], env: dict, log: str) -> None:
+    """A rank of the check: enter_rank, then the probe."""
+    enter_rank(env, log)
     import selfcheck.probe
     selfcheck.probe.MODULES_AT_FORK = frozenset(sys.modules)
     selfcheck.probe.main(probe_args)
 
 
 _FORK_CONTEXT = None
+# what the fork server imports torch under (what only counts at import time); the rest of its
+# environment is the caller's
+SERVER_ENV = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+                  DIST_TIMEOUT_MINUTES=DIST_TIMEOUT_MINUTES, HF_HUB_OFFLINE="1",
+                  HF_DATASETS_OFFLINE="1")
 
 
 def fork_context():
@@ -152,11 +166,8 @@ def fork_context():
         from multiprocessing import forkserver
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(["selfcheck.preload"])
-        at_import = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-                         DIST_TIMEOUT_MINUTES=DIST_TIMEOUT_MINUTES, HF_HUB_OFFLINE="1",
-                         HF_DATASETS_OFFLINE="1")
-        saved = {k: os.environ.get(k) for k in at_import}
-        os.environ.update(at_import)
+        saved = {k: os.environ.get(k) for k in SERVER_ENV}
+        os.environ.update(SERVER_ENV)
         try:
             forkserver.ensure_running()
         finally:

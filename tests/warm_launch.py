@@ -26,16 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _rank_main(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
-    os.setsid()
-    for fd, path in ((1, out), (2, err)):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(ROOT)
+    """One rank, in the forked process: the script as `python script.py ARGV` would run it,
+    its exit code as python's (a SystemExit's message on stderr, a crash's traceback)."""
+    from selfcheck.runs import enter_rank
+    enter_rank(env, out, err)
     sys.argv = [script, *argv]
     sys.path[0] = str((ROOT / script).parent)  # as `python script.py` sets it
     code = 0
@@ -76,13 +70,10 @@ def needs_a_real_start(env: dict) -> str | None:
 
 
 def _server_env() -> dict:
-    """The environment the warm server imported torch under (selfcheck.runs.fork_context sets
-    these for the import and restores the rest): this process's, with its settings."""
-    from selfcheck import runs
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               DIST_TIMEOUT_MINUTES=runs.DIST_TIMEOUT_MINUTES)
-    return env
+    """The environment the warm server imported torch under: this process's, with the
+    settings selfcheck.runs.fork_context starts it with."""
+    from selfcheck.runs import SERVER_ENV
+    return {**os.environ, **SERVER_ENV}
 
 
 def run(script: str, argv: list[str], nproc: int, env: dict, timeout: float
