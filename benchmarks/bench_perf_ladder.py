@@ -294,6 +294,9 @@ def main():
     full = ladder(args.batch_size, args.big_batch)
     rows = full if args.rows == "ladder" else chosen_rows(full, args.rows)
     kernel_rows = {r.label for r in chosen_rows(full, args.kernels)} if args.kernels else set()
+    if kernel_rows and device.type != "cuda":
+        print("--kernels: the breakdown reads a GPU's kernels from the profiler; none here",
+              flush=True)
     # the two ceilings, once each: the data sheet's and a big matmul's on this device
     n = 8192 if device.type == "cuda" else None  # a CPU: its fastest size (measure_matmul_flops)
     ceilings = {"sheet": {pr: peak_flops(device, pr) for pr in ("fp32", "tf32", "bf16")},

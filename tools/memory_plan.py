@@ -83,8 +83,6 @@ def plan(cfg: ModelConfig, *, gpus: int, gpu_memory_gib: float, batch_size: int,
     counts = param_counts(cfg)
     counted = counts["sharded"] + counts["replicated"]
     scale = (params / counted) if params else 1.0  # --params: the given count, not the shape's
-    if schedule not in ("1f1b", "gpipe"):
-        raise SystemExit(f"error: --schedule {schedule}: give 1f1b or gpipe")
     microbatches = (microbatches or pp) if pp > 1 else 1
     tokens = batch_size * cfg.max_seq_len // microbatches  # of one microbatch
     rows = {}

@@ -22,13 +22,14 @@ Run it (one GPU is enough; a laptop CPU runs it too, slowly, and has no TF32):
     sbatch perf_training.sbatch --precision bf16 --max-steps 200                 # after TODO 45
     sbatch perf_training.sbatch --precision bf16 --compile --batch-size 128 --max-steps 200
     sbatch perf_training.sbatch --compile --compile-mode reduce-overhead --max-steps 200  # TODO 63
-    sbatch perf_training.sbatch --compile --batch-size 128 --dropout 0 --max-steps 200  # +8 %: see below
+    sbatch perf_training.sbatch --compile --batch-size 128 --dropout 0 --max-steps 200  # see below
     NSYS=1 sbatch perf_training.sbatch --max-steps 50                   # after the TODO in the sbatch: nsys
 Open OUT_DIR/profile/*.pt.trace.json in https://ui.perfetto.dev (or TensorBoard's profiler).
 At batch 128 the matmuls run almost as fast as the GPU can; about half of the step is then
 kernels that read and write memory (layer norms, GELU, dropout, softmax). --dropout 0, as the
-record runs of GPT-2 train, drops the dropout kernels: +8 % here, but WikiText-2 is small, so
-watch the validation loss (docs/performance.md, "Where the rest of the step goes").
+record runs of GPT-2 train, drops the dropout kernels: +4 to 8 % on an H200, but WikiText-2
+is small, so watch the validation loss (docs/performance.md, "Where the rest of the step
+goes").
 """
 
 import math
