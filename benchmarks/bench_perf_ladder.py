@@ -7,6 +7,9 @@ Prints a table; asserts nothing.
     python benchmarks/bench_perf_ladder.py --rows 11,nodrop,model+nodrop --kernels 11
         # the last row against dropout 0 and, with it, the whole model compiled; where the
         # last row's GPU time goes, by kind of kernel (a GPU)
+    python benchmarks/bench_perf_ladder.py --rows 11,fusedhead,bf16params --kernels fusedhead
+        # two candidates for the memory-bound half of the step, not in the lesson yet:
+        # llm.c's fused classifier and torchtitan's bf16 parameters (below)
 
 The two ceilings: the data sheet's dense peak of the dtype the matmuls run in (what MFU
 divides by in the scripts), and a large matmul measured on this device in that dtype (what the
@@ -58,6 +61,8 @@ class Setting:
     dropout: float | None = None  # None: the preset's (0.1)
     attention: str = "default"   # default | cudnn | flash | efficient
     vocab: int | None = None     # None: --vocab
+    head: str = "logits"         # logits | fused (fused_classifier_loss: no logits kept)
+    params: str = "fp32"         # fp32 (autocast) | bf16 (FSDP2's MixedPrecisionPolicy)
 
 
 def ladder(batch: int, big: int) -> list[Setting]:
@@ -85,7 +90,12 @@ EXTRA = {  # one change against the ladder's last row (what else the lesson ment
     "model": dict(compile="model+loss"),
     "cudnn": dict(attention="cudnn"),
     "b32": dict(batch=32),
+    "fp32": dict(precision="fp32"),  # the last setting in fp32: what bf16's losses stay near
     "autotune": dict(mode="max-autotune-no-cudagraphs"),  # Triton's matmuls tried against cuBLAS
+    # Candidates for the memory-bound half of the step (docs/performance.md, "Where the rest
+    # of the step goes"), measured here before the lesson teaches them:
+    "fusedhead": dict(head="fused"),    # llm.c's fused classifier: the loss's gradient at once
+    "bf16params": dict(params="bf16"),  # torchtitan's bf16 compute: bf16 activations throughout
 }
 
 
@@ -158,27 +168,112 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def loss_and_logit_grad(logits, targets):
+    """The mean cross-entropy of (N, V) logits and its gradient with respect to them,
+    (softmax - one-hot) / N, in one pass over the logits once compiled."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    target_logit = x.gather(-1, targets[:, None])
+    n = x.shape[0]
+    probs = torch.exp(x - lse)
+    is_target = torch.arange(x.shape[-1], device=x.device) == targets[:, None]
+    grad = torch.where(is_target, probs - 1, probs) / n
+    return (lse - target_logit).sum() / n, grad.to(logits.dtype)
+
+
+class FusedClassifierLoss(torch.autograd.Function):
+    """The output layer and the cross-entropy in one, as llm.c's fused classifier: the forward
+    pass computes the loss and at once its gradient with respect to the logits, which takes
+    the logits' place in memory; backward is the output layer's two matmuls. Against the
+    compiled loss this saves one read of the logits and keeps one copy of them, not two."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        dtype = (torch.get_autocast_dtype(hidden.device.type)
+                 if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            h, w = hidden.to(dtype), weight.to(dtype)
+            loss, grad = compiled_loss_and_logit_grad(h @ w.t(), targets)
+        ctx.save_for_backward(h, w, grad)
+        ctx.dtypes = hidden.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        h, w, grad = ctx.saved_tensors
+        hidden_dtype, weight_dtype = ctx.dtypes
+        # grad_loss is 1 unless the loss was scaled: applied to the matmuls' small results,
+        # not to the (N, V) gradient, which would take one more pass over it
+        return ((grad @ w).to(hidden_dtype) * grad_loss,
+                (grad.t() @ h).to(weight_dtype) * grad_loss, None)
+
+
+compiled_loss_and_logit_grad = torch.compile(loss_and_logit_grad)
+
+
+def fused_classifier_loss(hidden, weight, targets):
+    """lm_loss(hidden @ weight.T, targets) without keeping the logits (hidden: (B, T, D))."""
+    return FusedClassifierLoss.apply(hidden.flatten(0, 1), weight, targets.flatten())
+
+
+def lm_loss_fp32(logits, targets):
+    """lm_loss of bf16 logits, computed in fp32 (as autocast computes it)."""
+    return lm_loss(logits.float(), targets)
+
+
+def shard_in_bf16(model):
+    """torchtitan's bf16 training on one GPU: FSDP2 keeps fp32 weights for the optimizer and
+    gives the forward and backward bf16 copies, so every activation is bf16 (under autocast
+    the residual stream and the layer norms stay fp32); gradients come back in fp32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for block in model.layers.values():
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
 def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ceilings,
         kernels: bool = False) -> dict:
     precision = set_precision(s.precision, device)
+    if s.params == "bf16" and (precision != "bf16" or s.ddp or s.head != "logits"
+                               or s.compile == "model+loss"):
+        raise ValueError("bf16 parameters go with bf16, per-block compile, no DDP and the "
+                         "model's own output layer")
     vocab = s.vocab or vocab
     padded = padded_vocab(vocab, s.pad_vocab)
     cfg = get_config(preset, vocab_size=padded, dropout=s.dropout)
     torch.manual_seed(0)
     model = TransformerLM(cfg).to(device)
-    loss_fn = lm_loss
+    # FLOPs of the model as it is (a padded vocabulary's extra rows are counted: they are
+    # computed) and, for the MFU, of the unpadded model (llm.c and nanoGPT count the padded one)
+    fpt = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers, cfg.d_model,
+                          cfg.max_seq_len)
+    loss_fn = lm_loss if s.params == "fp32" else lm_loss_fp32
+    head = None
+    if s.head == "fused":
+        if s.compile == "model+loss" or s.ddp:  # DDP would not see the head's weight
+            raise ValueError("the fused classifier goes with per-block compile and no DDP, "
+                             "as in the last setting")
+        # the model stops at the final norm; the output layer's weight goes to the loss
+        head, model.output = model.output, None
+        params = list(model.parameters()) + [head.weight]
+
+        def loss_fn(hidden, targets):
+            return fused_classifier_loss(hidden, head.weight, targets)
     mode = dict(mode=s.mode) if s.mode else {}
     if s.compile in ("blocks", "blocks+loss"):
         compile_blocks(model, s.mode)  # the course's own helper, as the script calls it
-    if s.compile == "blocks+loss":
-        loss_fn = torch.compile(lm_loss, **mode)
+    if s.compile == "blocks+loss" and s.head == "logits":
+        loss_fn = torch.compile(loss_fn, **mode)
+    if s.params == "bf16":
+        shard_in_bf16(model)
     forward = DDP(model, device_ids=[device.index or 0] if device.type == "cuda" else None) \
         if s.ddp else model
     if s.compile == "model+loss":
         def forward_and_loss(x, y):
             return lm_loss(forward(x), y)
         step_fn = torch.compile(forward_and_loss, **mode)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4,
+    optimizer = torch.optim.AdamW(params if s.head == "fused" else model.parameters(), lr=1e-4,
                                   fused=s.fused and device.type == "cuda")
     g = torch.Generator(device="cpu").manual_seed(0)
     batches = [(torch.randint(vocab, (s.batch, cfg.max_seq_len), generator=g),
@@ -187,7 +282,9 @@ def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ce
 
     def step(i):
         x, y = batches[i % len(batches)]
-        with autocast(precision, device), attention_context(s.attention):
+        # bf16 parameters compute in bf16 without autocast
+        amp = autocast(precision, device) if s.params == "fp32" else contextlib.nullcontext()
+        with amp, attention_context(s.attention):
             if s.compile == "model+loss":
                 loss = step_fn(x, y)
             else:
@@ -205,14 +302,14 @@ def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ce
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     warm_s = time.perf_counter() - compile_start
-    host, gpu = [], []
+    host, gpu, losses = [], [], []
     for i in range(steps):
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             torch.cuda.synchronize(device)
             start.record()
         t0 = time.perf_counter()
-        step(i)
+        losses.append(step(i).detach())  # read after the timing: reading waits for the GPU
         host.append(time.perf_counter() - t0)  # queueing only, on a GPU
         if cuda:
             end.record()
@@ -229,15 +326,11 @@ def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ce
             print(f"    {ms:6.2f} ms {n:4d} x {name}", flush=True)
     tokens = s.batch * cfg.max_seq_len
     tokens_per_s = tokens / seconds
-    # FLOPs of the model as it is (a padded vocabulary's extra rows are counted: they are
-    # computed) and, for the MFU, of the unpadded model (llm.c and nanoGPT count the padded one)
-    fpt = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers, cfg.d_model,
-                          cfg.max_seq_len)
     kind = matmul_dtype(precision, device)
     sheet, sheet_source = ceilings["sheet"][precision]
     measured = ceilings["measured"][kind]
     peak_mem = torch.cuda.max_memory_allocated(device) if cuda else float("nan")
-    model = forward = optimizer = batches = None  # free the GPU memory for the next setting
+    model = forward = optimizer = batches = loss_fn = head = None  # free the GPU memory for the next setting
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
@@ -246,7 +339,8 @@ def run(s: Setting, preset: str, device, vocab: int, warmup: int, steps: int, ce
                 step_ms=seconds * 1e3, host_ms=statistics.median(host) * 1e3,
                 mfu_sheet=tokens_per_s * fpt / sheet, mfu_measured=tokens_per_s * fpt / measured,
                 sheet=sheet, sheet_source=sheet_source, measured=measured,
-                peak_memory_gib=peak_mem / 2**30, warmup_s=warm_s, flops_per_token=fpt)
+                peak_memory_gib=peak_mem / 2**30, warmup_s=warm_s, flops_per_token=fpt,
+                losses=[float(loss) for loss in losses])
 
 
 def chosen_rows(full: list[Setting], spec: str) -> list[Setting]:

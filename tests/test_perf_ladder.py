@@ -1,6 +1,8 @@
 """benchmarks/bench_perf_ladder.py, the performance step's ladder: its rows are the lesson's
 fixes, extra rows change the last one, it sorts a GPU profile's kernels by what they do, and it
-runs on a CPU. (Its figures come from a GPU: docs/performance.md.)"""
+runs on a CPU. The candidates it measures before the lesson teaches them (the fused classifier,
+bf16 parameters) train like the last setting, compile once and keep fp32 weights. (Its figures
+come from a GPU: docs/performance.md.)"""
 
 import importlib.util
 import os
@@ -9,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "bench_perf_ladder.py"
@@ -67,3 +71,87 @@ def test_the_ladder_runs_on_a_cpu_and_prints_its_table(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "| fp32 (as shipped) |" in out.stdout and "| bf16 autocast |" in out.stdout
     assert (tmp_path / "rows.json").read_text().count('"tokens_per_s"') == 2
+
+
+@pytest.fixture
+def one_process_group():
+    """A process group of one, as the benchmark makes (FSDP needs one)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def tiny_row(bench, spec, steps=3):
+    """The row's losses over `steps` steps after one of warm-up (tiny preset, vocabulary 500),
+    failing on any recompilation after the first step compiled."""
+    (setting,) = bench.chosen_rows(bench.ladder(8, 8), spec)
+    ceilings = {"sheet": {p: (1e12, "test") for p in ("fp32", "tf32", "bf16")},
+                "measured": {"float32": 1e12, "bfloat16": 1e12}}
+    torch._dynamo.reset()  # what earlier tests compiled, at other shapes
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        return bench.run(setting, "tiny", torch.device("cpu"), 500, warmup=1, steps=steps,
+                         ceilings=ceilings)["losses"]
+
+
+@pytest.fixture(scope="module")
+def fp32_losses(bench):
+    """The last setting's losses in fp32 without dropout: what the candidates train like."""
+    return tiny_row(bench, "fp32+nodrop")
+
+
+def test_the_fused_classifier_has_the_losss_value_and_gradients(bench):
+    torch.manual_seed(0)
+    hidden = torch.randn(4, 8, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(50, (4, 8))
+    expected = bench.lm_loss(hidden @ weight.t(), targets)
+    expected_grads = torch.autograd.grad(3 * expected, (hidden, weight))
+    loss = bench.fused_classifier_loss(hidden, weight, targets)
+    grads = torch.autograd.grad(3 * loss, (hidden, weight))  # a scaled loss scales them
+    torch.testing.assert_close(loss, expected)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # the matmuls in bf16, as on a GPU
+        loss = bench.fused_classifier_loss(hidden, weight, targets)
+    grads = torch.autograd.grad(3 * loss, (hidden, weight))
+    assert loss.dtype == grads[0].dtype == grads[1].dtype == torch.float32
+    torch.testing.assert_close(loss, expected, rtol=1e-2, atol=0)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_the_fused_classifier_trains_like_the_compiled_loss_and_compiles_once(bench,
+                                                                               fp32_losses):
+    torch.testing.assert_close(tiny_row(bench, "fp32+nodrop+fusedhead"), fp32_losses,
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(tiny_row(bench, "nodrop+fusedhead"), fp32_losses, rtol=2e-2,
+                               atol=0)
+
+
+def test_bf16_parameters_train_within_bf16_of_fp32_and_compile_once(bench, fp32_losses,
+                                                                     one_process_group):
+    torch.testing.assert_close(tiny_row(bench, "bf16params+nodrop"), fp32_losses, rtol=2e-2,
+                               atol=0)
+
+
+def test_bf16_parameters_keep_fp32_weights_and_gradients_and_compute_in_bf16(
+        bench, one_process_group):
+    from model import TransformerLM, get_config
+    torch.manual_seed(0)
+    model = TransformerLM(get_config("tiny", vocab_size=64, dropout=0.0))
+    bench.shard_in_bf16(model)
+    logits = model(torch.randint(64, (2, 8)))
+    assert logits.dtype == torch.bfloat16
+    bench.lm_loss_fp32(logits, torch.randint(64, (2, 8))).backward()
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("spec", ["bf16params+model", "bf16params+fusedhead", "fusedhead+model",
+                                  "7"])
+def test_a_candidate_that_does_not_combine_says_what_it_needs(bench, spec, one_process_group):
+    (setting,) = bench.chosen_rows(bench.ladder(8, 8), spec)
+    if spec == "7":  # the last row with DDP
+        setting = bench.dataclasses.replace(setting, head="fused")
+    with pytest.raises(ValueError, match="bf16 parameters go with|fused classifier goes with"):
+        bench.run(setting, "tiny", torch.device("cpu"), 500, 1, 1, ceilings=None)
