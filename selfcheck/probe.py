@@ -282,9 +282,19 @@ class Probe:
             wrap(du, name, before=called(name, group_size=group_size))
         for name in ("print0", "save0", "barrier", "gather_per_rank"):
             wrap(du, name, before=called(name))
-        for name in ("save_full_model", "save_sharded_model", "load_sharded_model",
-                     "resume_checkpoint"):
+        for name in ("save_full_model", "load_sharded_model", "resume_checkpoint"):
             wrap(ck, name, before=called(name))
+
+        def saved(key):  # a number of the train_state a checkpoint is saved with
+            def get(*a, **k):
+                state = k.get("train_state", a[3] if len(a) > 3 else None)
+                value = state.get(key) if isinstance(state, dict) else None
+                return value if isinstance(value, (int, float)) else None
+            return get
+        wrap(ck, "save_sharded_model", before=called(
+            "save_sharded_model", state_step=saved("step"), state_epoch=saved("epoch"),
+            state_batches=saved("batches_done"),
+            optimizer_steps=lambda *a, **k: record.get("optimizer_calls", {}).get("steps")))
 
         def batches_per_epoch(*a, **k):  # samples or batches? (a resume at an epoch's end)
             return k.get("batches_per_epoch", a[2] if len(a) > 2 else None)

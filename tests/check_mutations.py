@@ -233,6 +233,18 @@ MISTAKES = [
      [("                           loss_history=[loss.item() for loss in loss_history],\n", ""),
       ('        loss_history = [torch.tensor(loss, device=device) for loss in train_state["loss_history"]]\n',
        "")]),
+    ("fsdp", FSDP, "saved inside the step, before its batch is counted", 20,
+     [("            step += 1\n            batches_done += 1\n",
+       "            step += 1\n"
+       "            if args.checkpoint_every and step % args.checkpoint_every == 0:\n"
+       "                save_checkpoint(\"last\", epoch, batches_done)\n"
+       "            batches_done += 1\n"),
+      ("            if args.checkpoint_every and step % args.checkpoint_every == 0:\n"
+       "                save_checkpoint(\"last\", epoch, batches_done)\n\n        throughput",
+       "\n        throughput")]),
+    ("fsdp", FSDP, "the last checkpoint of an epoch saved as the next epoch's start", 20,
+     [("        save_checkpoint(\"last\", epoch, batches_done)\n        if step == args.max_steps:",
+       "        save_checkpoint(\"last\", epoch + 1, 0)\n        if step == args.max_steps:")]),
     ("fsdp", FSDP, "--checkpoint-every not honoured", 20,
      [("            if args.checkpoint_every and step % args.checkpoint_every == 0:\n"
        '                save_checkpoint("last", epoch, batches_done)\n', "")]),
@@ -886,6 +898,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "saved inside the step, before its batch is counted": ("says epoch 0, batches_done 2",),
+    "the last checkpoint of an epoch saved as the next epoch's start": ("says epoch 2",),
     "the peak of bf16 written in (an fp32 run's MFU 15 times too small on a GPU)": (
         "asks peak_flops for bf16", "peak_flops(device, args.precision)"),
     "the peak asked before set_precision (auto: fp32's peak on a GPU in bf16)": (
@@ -975,6 +989,9 @@ MESSAGES = {
 ONLY_FIXED = {
     # two ranks without DDP train apart: not a precision mistake (TODO 45)
     "DDP dropped for every world size": {62},
+    # a checkpoint that says the wrong place: TODO 20's, though the resume goes wrong too
+    "saved inside the step, before its batch is counted": {20},
+    "the last checkpoint of an epoch saved as the next epoch's start": {20},
     "DDP only where the node has several GPUs": {62},
     "the peak of bf16 written in (an fp32 run's MFU 15 times too small on a GPU)": {42},
     "the peak asked before set_precision (auto: fp32's peak on a GPU in bf16)": {42},

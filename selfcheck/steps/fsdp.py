@@ -226,13 +226,45 @@ def check_checkpoints(ctx, run, stop) -> None:
     if "--checkpoint-every" in parser.get("missing", []):
         rep.fail(20, "there is no --checkpoint-every option yet (see TODO 20)")
         return
-    steps = sorted({c["step"] for c in calls(stop, "save_sharded_model", rank=0)})
+    saves = calls(stop, "save_sharded_model", rank=0)
+    # after how many optimizer steps each save came (the tokens counted so far, where a probe
+    # of an older check run has no optimizer count)
+    steps = sorted({c["optimizer_steps"] if c.get("optimizer_steps") is not None else c["step"]
+                    for c in saves})
     wanted = set(range(CHECKPOINT_EVERY, STOP_AT + 1, CHECKPOINT_EVERY))
     if not wanted <= set(steps):
         rep.fail(20, f"with --checkpoint-every {CHECKPOINT_EVERY} checkpoints were saved after "
                  f"steps {steps}, expected also after {sorted(wanted - set(steps))}: "
                  "if args.checkpoint_every and step % args.checkpoint_every == 0: "
                  "save_checkpoint('last', ...) in the training loop")
+        return
+    check_saved_positions(ctx, run, saves)
+
+
+def check_saved_positions(ctx, run, saves) -> None:
+    """TODO 20: every checkpoint's train_state says where the run was: the step it was saved
+    after, and an epoch and batches_done that resume_position turns back into that step."""
+    args = run.summary.get("args", {}) if run.summary else {}
+    if args.get("max_steps") or not args.get("epochs"):
+        return
+    per_epoch = run.summary["steps"] // args["epochs"]  # the uninterrupted run's epochs
+    for c in saves:
+        step, epoch, done = c.get("state_step"), c.get("state_epoch"), c.get("state_batches")
+        trained = c.get("optimizer_steps")
+        if None in (step, epoch, done, trained):
+            continue
+        if step != trained:
+            ctx.report.fail(20, f"a checkpoint saved after {trained} optimizer steps says step "
+                            f"{step}: save it after step += 1, with the step just trained")
+            return
+        if epoch * per_epoch + done != step:
+            ctx.extra["wrong_position"] = True
+            ctx.report.fail(20, f"the checkpoint after step {step} says epoch {epoch}, "
+                            f"batches_done {done}: a resume would go on at step "
+                            f"{epoch * per_epoch + done} ({per_epoch} steps per epoch). Save the "
+                            "epoch the loop is in and the batches done in it, counted before "
+                            "the save")
+            return
 
 
 def check_resume(ctx, stop, resumed, ref) -> None:
@@ -288,6 +320,10 @@ def check_resume(ctx, stop, resumed, ref) -> None:
                      "(else a checkpoint saved at an epoch's end resumes inside that epoch)")
     mine, theirs = resumed.summary, ref.summary
     history, ref_history = mine["loss_history"], theirs["loss_history"]
+    if ctx.extra.get("wrong_position") and history != ref_history:
+        rep.waits(21, "a resume goes on where the checkpoint says the run was (fix TODO 20 "
+                  "above first)")
+        return
     if mine["steps"] != theirs["steps"]:
         loaded = (r.get("loads") or [{}])[0]
         extra = mine["steps"] - theirs["steps"]
