@@ -337,6 +337,13 @@ MISTAKES = [
       ("import os\n\n", "import os\n\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n")]),
     ("tp", TP, "FSDP on the root only", 29,
      [('    for block in model.layers.values():\n        fully_shard(block, mesh=mesh["dp"])\n', "")]),
+    ("tp", TP, "backward after loss_parallel() ended", 30,
+     [("                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                optimizer.zero_grad(set_to_none=True)\n"
+       "                loss.backward()\n",
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "            optimizer.zero_grad(set_to_none=True)\n"
+       "            loss.backward()\n")]),
     ("tp", TP, "no loss_parallel in training", 30,
      [("            with loss_parallel():\n"
        "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
@@ -453,6 +460,9 @@ MISTAKES = [
       ("            idle_history.append(timer.idle_fraction())\n",
        "            idle_history.append(timer.idle_fraction())\n"
        "            optimizer.zero_grad(set_to_none=True)\n")]),
+    ("pp", PP, "the microbatches' losses summed", 38,
+     [("step_loss = (torch.stack(losses).detach().mean() if stage.is_last",
+       "step_loss = (torch.stack(losses).detach().sum() if stage.is_last")]),
     ("pp", PP, "the loss broadcast from the first stage", 38,
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            dist.broadcast(step_loss, src=0)")]),
@@ -898,6 +908,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the microbatches' losses summed": ("the sum of the 2 microbatches' losses",),
+    "backward after loss_parallel() ended": ("backward pass ran outside loss_parallel()",),
     "saved inside the step, before its batch is counted": ("says epoch 0, batches_done 2",),
     "the last checkpoint of an epoch saved as the next epoch's start": ("says epoch 2",),
     "the peak of bf16 written in (an fp32 run's MFU 15 times too small on a GPU)": (
@@ -989,6 +1001,8 @@ MESSAGES = {
 ONLY_FIXED = {
     # two ranks without DDP train apart: not a precision mistake (TODO 45)
     "DDP dropped for every world size": {62},
+    # a logged loss that is wrong is no training that is wrong (TODO 37)
+    "the microbatches' losses summed": {38},
     # a checkpoint that says the wrong place: TODO 20's, though the resume goes wrong too
     "saved inside the step, before its batch is counted": {20},
     "the last checkpoint of an epoch saved as the next epoch's start": {20},

@@ -100,6 +100,10 @@ KNOWN_CAUSES = [
      "else None"),
     (r"mutually exclusive with shuffle|sampler option is mutually exclusive",
      "a DataLoader with a sampler must not get shuffle=True: the sampler shuffles"),
+    # (the backward of a loss over split logits, run after loss_parallel() ended)
+    (r"_loss_backward\S* got mixed torch\.Tensor and DTensor",
+     "the backward pass ran outside loss_parallel(): it needs the context as the loss does, "
+     "so call loss.backward() inside the same with loss_parallel(): block"),
     (r"mixed torch\.Tensor and DTensor",
      "a plain tensor met a DTensor: the loss over split logits needs loss_parallel(), and a "
      "DTensor result needs .full_tensor() before plain tensor code uses it"),
@@ -613,9 +617,11 @@ def printed_losses(output: str) -> dict[int, float]:
     return found
 
 
-def check_losses(ctx, run, ref, todo, what="the logged training losses") -> bool:
+def check_losses(ctx, run, ref, todo, what="the logged training losses",
+                 twice=": twice the mean, a sum over 2 ranks? (all_reduce_mean, not "
+                       "all_reduce_sum)") -> bool:
     """The summary's loss of every step, the printed step lines and the logged train/loss all
-    equal the single-process run's losses."""
+    equal the single-process run's losses. `twice`: what a loss twice the right one says."""
     rep = ctx.report
     mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
     i = first_difference(mine, theirs)
@@ -626,7 +632,7 @@ def check_losses(ctx, run, ref, todo, what="the logged training losses") -> bool
         else:
             rep.fail(todo, f"{what} differ from the single-process run from step {i + 1} on "
                      f"({mine[i]:.5f} vs {theirs[i]:.5f})"
-                     + ratio_hint(mine[i], theirs[i]))
+                     + ratio_hint(mine[i], theirs[i], twice))
         return False
     printed = printed_losses(run.outputs[0])
     wrong = [(s, v) for s, v in printed.items() if 1 <= s <= len(theirs)
@@ -635,7 +641,7 @@ def check_losses(ctx, run, ref, todo, what="the logged training losses") -> bool
         s, v = wrong[0]
         rep.fail(todo, f"the step lines print another loss than the one in summary.json "
                  f"(step {s}: printed {v:.4f}, the mean over ranks is {theirs[s - 1]:.4f})"
-                 + ratio_hint(v, theirs[s - 1]))
+                 + ratio_hint(v, theirs[s - 1], twice))
         return False
     logged = [(e["step"], e["metrics"]["train/loss"]) for e in run.ranks[0].get("logged", [])
               if "train/loss" in e["metrics"]]
@@ -649,9 +655,9 @@ def check_losses(ctx, run, ref, todo, what="the logged training losses") -> bool
     return True
 
 
-def ratio_hint(mine: float, theirs: float) -> str:
+def ratio_hint(mine: float, theirs: float, twice: str) -> str:
     if theirs and near(mine / theirs, 2.0, 0.02):
-        return ": twice the mean, a sum over 2 ranks? (all_reduce_mean, not all_reduce_sum)"
+        return twice
     if theirs and near(mine, 0.0, 0, 1e-6):
         return ": 0, taken from a rank that computes no loss?"
     return ""
