@@ -262,31 +262,33 @@ def monitored(model=None, total_steps=100, **kwargs):
     return model, optimizer, throughput, monitor, recorder
 
 
-def test_the_eta_is_within_a_quarter_of_the_real_remaining_time_for_a_steady_step(monkeypatch):
-    """A step of fixed wall time (30 ms, kept by the clock whatever else runs on the machine),
-    an evaluation pause after step 20: the ETA reported at step 10 against the time it took."""
+def test_the_eta_leaves_the_first_steps_warm_up_out_and_matches_the_time_left(monkeypatch):
+    """Five slow first steps (compiling: 2 s each), then steady steps of 30 ms and an evaluation
+    of 50 ms after step 20, on the monitor's clock (a real one would count whatever else runs on
+    the machine): the ETA reported at step 10 against the time that was left."""
     monkeypatch.setenv("PEAK_FLOPS", "1e12")
-    model, optimizer, throughput, monitor, recorder = monitored(total_steps=40)
+    now = [0.0]
+    model, optimizer, throughput, monitor, recorder = monitored(total_steps=40,
+                                                                clock=lambda: now[0])
     step = 0
     for _ in monitor.batches(range(40)):
-        start = time.perf_counter()
         model(torch.randn(8, 4)).sum().backward()
         optimizer.step()
-        while time.perf_counter() - start < 0.03:  # a steady step
-            pass
+        now[0] += 2.0 if step < 5 else 0.03
         step += 1
         throughput.step(32)
         if step % 5 == 0:
             monitor.report(step, torch.tensor(1.0))
             if step == 10:
-                eta, reported_at = recorder.logged[-1][1]["progress/eta_min"] * 60, time.perf_counter()
+                eta, reported_at = recorder.logged[-1][1]["progress/eta_min"] * 60, now[0]
         if step == 20:
             throughput.pause()
-            begin = time.perf_counter()
-            while time.perf_counter() - begin < 0.05:  # an evaluation
-                pass
-    remaining = time.perf_counter() - reported_at
-    assert abs(eta - remaining) <= 0.25 * remaining, (eta, remaining)
+            now[0] += 0.05  # an evaluation
+    remaining = now[0] - reported_at
+    assert remaining == pytest.approx(30 * 0.03 + 0.05)
+    # 30 steady steps: the warm-up is not in it, nor the evaluation no step has seen yet
+    assert eta == pytest.approx(30 * 0.03)
+    assert abs(eta - remaining) <= 0.25 * remaining
 
 
 def test_a_closed_monitor_lets_the_model_and_optimizer_go():
