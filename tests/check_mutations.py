@@ -242,6 +242,15 @@ MISTAKES = [
       ("            if args.checkpoint_every and step % args.checkpoint_every == 0:\n"
        "                save_checkpoint(\"last\", epoch, batches_done)\n\n        throughput",
        "\n        throughput")]),
+    ("fsdp", FSDP, "saved before step += 1", 20,
+     [("            step += 1\n            batches_done += 1\n",
+       "            batches_done += 1\n"
+       "            if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:\n"
+       "                save_checkpoint(\"last\", epoch, batches_done)\n"
+       "            step += 1\n"),
+      ("            if args.checkpoint_every and step % args.checkpoint_every == 0:\n"
+       "                save_checkpoint(\"last\", epoch, batches_done)\n\n        throughput",
+       "\n        throughput")]),
     ("fsdp", FSDP, "the last checkpoint of an epoch saved as the next epoch's start", 20,
      [("        save_checkpoint(\"last\", epoch, batches_done)\n        if step == args.max_steps:",
        "        save_checkpoint(\"last\", epoch + 1, 0)\n        if step == args.max_steps:")]),
@@ -908,7 +917,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
-    "the microbatches' losses summed": ("the sum of the 2 microbatches' losses",),
+    "the microbatches' losses summed": ("the sum of the microbatches' losses",),
+    "saved before step += 1": ("says step 2",),
     "backward after loss_parallel() ended": ("backward pass ran outside loss_parallel()",),
     "saved inside the step, before its batch is counted": ("says epoch 0, batches_done 2",),
     "the last checkpoint of an epoch saved as the next epoch's start": ("says epoch 2",),
@@ -1006,6 +1016,7 @@ ONLY_FIXED = {
     # a checkpoint that says the wrong place: TODO 20's, though the resume goes wrong too
     "saved inside the step, before its batch is counted": {20},
     "the last checkpoint of an epoch saved as the next epoch's start": {20},
+    "saved before step += 1": {20},
     "DDP only where the node has several GPUs": {62},
     "the peak of bf16 written in (an fp32 run's MFU 15 times too small on a GPU)": {42},
     "the peak asked before set_precision (auto: fp32's peak on a GPU in bf16)": {42},

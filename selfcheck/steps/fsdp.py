@@ -227,10 +227,9 @@ def check_checkpoints(ctx, run, stop) -> None:
         rep.fail(20, "there is no --checkpoint-every option yet (see TODO 20)")
         return
     saves = calls(stop, "save_sharded_model", rank=0)
-    # after how many optimizer steps each save came (the tokens counted so far, where a probe
-    # of an older check run has no optimizer count)
-    steps = sorted({c["optimizer_steps"] if c.get("optimizer_steps") is not None else c["step"]
-                    for c in saves})
+    # after how many optimizer steps each save came (not the tokens counted so far: the step's
+    # throughput.step may come after the save)
+    steps = sorted({c["optimizer_steps"] for c in saves})
     wanted = set(range(CHECKPOINT_EVERY, STOP_AT + 1, CHECKPOINT_EVERY))
     if not wanted <= set(steps):
         rep.fail(20, f"with --checkpoint-every {CHECKPOINT_EVERY} checkpoints were saved after "

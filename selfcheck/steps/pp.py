@@ -67,9 +67,9 @@ def check(ctx) -> None:
     if not staged:
         return
     s = run.summary
-    logged_right = check_losses(ctx, run, ref, 38, twice=(  # (MICROBATCHES is 2)
-        f": twice the mean, the sum of the {MICROBATCHES} microbatches' losses? (their mean: "
-        "torch.stack(losses).mean())"))
+    logged_right = check_losses(ctx, run, ref, 38, twice=(  # the check runs 2 microbatches
+        ": twice the mean, the sum of the microbatches' losses instead of their mean? "
+        "(torch.stack(losses).mean())"))
     # the validation after the last step is evaluated apart from the logged losses: equal to
     # one process's, the weights trained like one process whatever the step lines said
     evaluated_right = (near(s["val_loss"], ref.summary["val_loss"])
