@@ -47,3 +47,16 @@ def test_a_failing_rank_gives_its_exit_code_and_its_message_on_stderr(tmp_path, 
 def test_what_a_process_reads_as_it_starts_gets_a_real_start(setting):
     assert warm_launch.needs_a_real_start(script_env()) is None
     assert warm_launch.needs_a_real_start({**script_env(), **setting}) == next(iter(setting))
+
+
+def test_a_warm_rank_waits_for_the_others_as_long_as_its_environment_says(tmp_path):
+    """The fork server imported the course's helpers under the check's 15-s timeout: a warm
+    rank gets the default 5 minutes, or its own DIST_TIMEOUT_MINUTES, as a real start does."""
+    script = tmp_path / "timeout.py"
+    script.write_text("from utils.distributed_utils import TIMEOUT\n"
+                      "print(TIMEOUT.total_seconds())\n")
+    env = script_env()
+    env.pop("DIST_TIMEOUT_MINUTES", None)
+    assert warm_launch.run(str(script), [], 1, env, 120).stdout.split() == ["300.0"]
+    env["DIST_TIMEOUT_MINUTES"] = "2"
+    assert warm_launch.run(str(script), [], 1, env, 120).stdout.split() == ["120.0"]

@@ -30,6 +30,12 @@ def _rank_main(script: str, argv: list[str], env: dict, out: str, err: str) -> N
     its exit code as python's (a SystemExit's message on stderr, a crash's traceback)."""
     from selfcheck.runs import enter_rank
     enter_rank(env, out, err)
+    # What a module computed from the environment when the server imported it is the
+    # server's (the check's 15-s DIST_TIMEOUT_MINUTES): computed again from this rank's, as a
+    # real start would
+    import utils.distributed_utils as du
+    from utils.launch import dist_timeout
+    du.TIMEOUT = dist_timeout()
     sys.argv = [script, *argv]
     sys.path[0] = str((ROOT / script).parent)  # as `python script.py` sets it
     code = 0
