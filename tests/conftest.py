@@ -30,11 +30,35 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config):
     """`-n 2` (README, pytest-xdist): whole test files per test process, so a file's module
-    fixtures (the check's warm fork server and reference runs, the GPU suite's references) serve
-    all its tests and the real-Slurm tests share one cluster. Here rather than `--dist loadfile`
-    in pyproject.toml: that would stop every pytest call where pytest-xdist is not installed."""
+    fixtures (the check's warm fork server and reference runs) serve all its tests and the
+    real-Slurm tests share one cluster; the GPU tests alone go one by one (see
+    pytest_xdist_make_scheduler). Here rather than `--dist loadfile` in pyproject.toml: that
+    would stop every pytest call where pytest-xdist is not installed."""
     if getattr(config.option, "dist", "no") == "load":  # what -n alone chooses
         config.option.dist = "loadfile"
+
+
+def xdist_scope(nodeid: str) -> str:
+    """What one xdist process runs together: a test file, except for the GPU suite's tests on
+    GPUs (`[gpu-...]`, the `on` fixture), which spread over the processes. Each script run
+    there is a torchrun of about 20 s, mostly start-up, so `pytest -m gpu -n 4` takes a quarter
+    of the time on a GPU node: whole files would put all of them on one process (an H200,
+    2026-11-27: 10 tests in 197 s). In CI they are skipped, and the rehearsal stays whole."""
+    path, _, test = nodeid.partition("::")
+    return nodeid if path.endswith("test_gpu.py") and "[gpu" in test else path
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FilesButGpuTestsAlone(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return xdist_scope(nodeid)
+
+    return FilesButGpuTestsAlone(config, log)
 
 
 def script_env(cache_dir: Path | str | None = None, **extra) -> dict:
@@ -59,8 +83,12 @@ def restore_host_gpus(env: dict) -> dict:
 
 
 def gpu_env(cache_dir: Path | str | None = None, **extra) -> dict:
-    """script_env for the GPU suite: the machine's GPUs visible again."""
-    return restore_host_gpus(script_env(cache_dir, **extra))
+    """script_env for the GPU suite: the machine's GPUs visible again, and this checkout
+    importable. A GPU node's Python need not have it installed (`pip install -e .`): there
+    every script run failed with "No module named 'model'" before it reached the GPU."""
+    env = restore_host_gpus(script_env(cache_dir, **extra))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return env
 
 
 @functools.cache

@@ -170,6 +170,27 @@ def sums_built_on_the_cpu(rank, world_size):
     return total.device.type, total.item(), per_rank
 
 
+def test_scripts_started_for_the_gpu_suite_import_this_checkout_where_python_has_no_installed_copy(
+        tmp_path, monkeypatch):
+    # a GPU node's own Python (no `pip install -e .`): the editable install's finder removed
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    code = ("import importlib.util, sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if 'editable' not in getattr(f, '__module__', '')]; "
+            "print(importlib.util.find_spec('model').origin)")
+    proc = subprocess.run([sys.executable, "-c", code], env=gpu_env(), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(ROOT / "model" / "__init__.py")
+
+
+def test_xdist_spreads_the_gpu_tests_one_by_one_and_keeps_every_other_file_on_one_process():
+    from conftest import xdist_scope
+    gpu = "tests/test_gpu.py::test_every_script_trains_a_few_steps_on_one_gpu_under_torchrun"
+    assert xdist_scope(f"{gpu}[gpu-train/tp_training.py]") == f"{gpu}[gpu-train/tp_training.py]"
+    assert xdist_scope(f"{gpu}[rehearsal-train/tp_training.py]") == "tests/test_gpu.py"
+    assert xdist_scope("tests/test_check.py::test_x[gpu-1]") == "tests/test_check.py"
+
+
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_the_helpers_sum_cpu_built_tensors_over_an_nccl_group(on, world_size):
     on.need(world_size)
