@@ -131,6 +131,14 @@ MISTAKES = [
      [("    loader_args = dict(batch_size=args.batch_size,",
        "    loader_args = dict(batch_size=args.batch_size, drop_last=True,"),
       ("sampler=train_sampler, drop_last=True, **loader_args)", "sampler=train_sampler, **loader_args)")]),
+    ("ddp", DDP, "every rank's sampler seeded with its rank (the shards overlap)", 3,
+     [("shuffle=True, seed=args.seed, drop_last=True)",
+       "shuffle=True, seed=args.seed + rank, drop_last=True)")]),
+    ("ddp", DDP, "set_epoch at the end of the epoch (the first two epochs alike)", 6,
+     [("        train_sampler.set_epoch(epoch)\n", ""),
+      ("        if step == args.max_steps:\n            break\n\n    # ---- evaluation",
+       "        train_sampler.set_epoch(epoch)\n"
+       "        if step == args.max_steps:\n            break\n\n    # ---- evaluation")]),
     ("ddp", DDP, "set_epoch(step) in the batch loop", 6,
      [("        train_sampler.set_epoch(epoch)\n", ""),
       ("            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)\n",
@@ -972,6 +980,10 @@ MESSAGES = {
     "test DataLoader without its sampler": ("sampler=test_sampler",),
     "drop_last=True in loader_args (evaluation drops samples)": ("training DataLoader alone",),
     "set_epoch(step) in the batch loop": ("once per epoch",),
+    "every rank's sampler seeded with its rank (the shards overlap)": (
+        "seeds 0, 1", "the same seed on every rank, seed=args.seed"),
+    "set_epoch at the end of the epoch (the first two epochs alike)": (
+        "repeats the first epoch's order", "at the start of each epoch"),
     "the port is 20000 + the whole job id": ("outside 1024-65535", "% 10000"),
     "srun without --cpus-per-task": ('--cpus-per-task="$SLURM_CPUS_PER_TASK"',),
     "--nproc_per_node=4 written out": ("NPROC_PER_NODE=2", '--nproc_per_node="$NPROC_PER_NODE"'),
@@ -1009,6 +1021,12 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # ranks trained on the wrong data: the losses and weights differ from one process's, and
+    # TODO 7 and 10 wait (they were FIX lines before)
+    "every rank's sampler seeded with its rank (the shards overlap)": {3},
+    "training sampler with the local rank": {3},
+    "training sampler without shuffling": {3},
+    "sampler made but not given to the training DataLoader": {4},
     # two ranks without DDP train apart: not a precision mistake (TODO 45)
     "DDP dropped for every world size": {62},
     # a logged loss that is wrong is no training that is wrong (TODO 37)

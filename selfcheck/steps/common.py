@@ -406,7 +406,8 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
                           made_is_attempt=True):
     """Each replica trains on its own shard: `replicas` replicas, rank r in replica_of(r).
     made_is_attempt: building a DistributedSampler at all shows the TODO was started (not in
-    the steps whose exercise has samplers already)."""
+    the steps whose exercise has samplers already). Returns whether the shards are right:
+    where they are not, a comparison of the training with one process can only differ."""
     rep = ctx.report
     records = run.ranks
     n_train = records[0]["datasets"][0]["len"] if records[0].get("datasets") else 0
@@ -414,7 +415,7 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
     if not all(passes):
         if not run.crashed:
             rep.fail(todo_loader, "no training batch was read")
-        return
+        return False
     firsts = [p[0] for p in passes]
     samplers = [train_sampler(r) for r in records]
     made = [sampler_records(r, "DistributedSampler") for r in records]
@@ -425,7 +426,7 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
         rep.attempt(todo_loader)
     problems = []
     if run.crashed and not all(firsts):
-        return  # the crash is the news
+        return False  # the crash is the news
     for rank, (sampler, record) in enumerate(zip(samplers, records, strict=True)):
         given = (sampler or {}).get("given", {})
         if sampler is None:
@@ -465,20 +466,30 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
             seen = [i for s in shards for i in s]
             if len(seen) != len(set(seen)):
                 common = len(seen) - len(set(seen))
+                seeds = [(s or {}).get("given", {}).get("seed") for s in samplers]
+                why = (f": their samplers shuffle with seeds {', '.join(map(str, seeds))}, "
+                       "and each seed gives another order, so the shards overlap; the same "
+                       "seed on every rank, seed=args.seed" if len(set(map(str, seeds))) > 1
+                       else "")
                 problems.append((todo_sampler if len(shards) > 1 else todo_loader,
-                                 f"the replicas train on {common} samples in common in epoch 0"))
+                                 f"the replicas train on {common} samples in common in epoch "
+                                 f"0{why}"))
             elif len(seen) < n_train - replicas * 8 and not run.crashed:
                 problems.append((todo_sampler, f"the replicas read {len(seen)} of {n_train} "
                                  "training samples per epoch"))
     for todo, text in problems[:1]:
         rep.fail(todo, text or "every rank reads the whole training set: train_sampler = "
                  "DistributedSampler(...) (see the TODO), passed to the training DataLoader")
+        if todo != todo_loader:
+            rep.waits(todo_loader, f"the training DataLoader is checked once TODO "
+                      f"{todo_sampler}'s sampler gives each replica its own shard")
     if not problems:
         each = len(firsts[0])
         rep.ok(todo_sampler, f"each of the {replicas} replica(s) trains on its own shard "
                              f"({each} samples per epoch)" if replicas > 1 else
                              "the ranks of the one replica read the same batches")
         rep.ok(todo_loader, "the training DataLoader takes its batches from the sampler")
+    return not problems
 
 
 def check_new_order(ctx, run, todo_epoch, todo_sampler):
@@ -493,13 +504,14 @@ def check_new_order(ctx, run, todo_epoch, todo_sampler):
     sampler = train_sampler(record)
     if sampler is None:
         if calls:
-            rep.fail(todo_epoch, "set_epoch is called, but the training DataLoader has no "
-                     "DistributedSampler to tell")
+            rep.waits(todo_epoch, "set_epoch is called; it is checked once the training "
+                      "DataLoader takes its batches from the sampler")
         return  # without a sampler there is nothing to tell the epoch (reported with it)
     if passes[0] != passes[1]:
         rep.ok(todo_epoch, "every epoch has a new order")
-    elif sampler and sampler["given"].get("shuffle") is False:
-        pass  # reported under the sampler's TODO
+    elif sampler and sampler["given"].get("shuffle") is False:  # reported with the sampler
+        rep.waits(todo_epoch, f"a new order each epoch is checked once TODO {todo_sampler}'s "
+                  "sampler shuffles")
     elif calls and len({e for _, e in calls}) == 1:
         rep.fail(todo_epoch, f"set_epoch is called with {calls[0][1]} every time: "
                  "train_sampler.set_epoch(epoch), with the epoch's number")
