@@ -843,12 +843,23 @@ def describe_fsdp(m):
             return flag, type(getattr(group, "offload_policy", None)).__name__
         except Exception:  # noqa: BLE001
             return None, None
+    def precision(module):
+        """[param_dtype, reduce_dtype, output_dtype] of a unit's MixedPrecisionPolicy."""
+        try:
+            policy = module._get_fsdp_state()._mp_policy
+            return [None if d is None else str(d).replace("torch.", "")
+                    for d in (policy.param_dtype, policy.reduce_dtype, policy.output_dtype)]
+        except Exception:  # noqa: BLE001
+            return None
     blocks = [unit(b) if isinstance(b, FSDPModule) else (None, None) for b in m.layers.values()]
     root = unit(m) if isinstance(m, FSDPModule) else (None, None)
     return {"blocks": [isinstance(b, FSDPModule) for b in m.layers.values()],
             "root": isinstance(m, FSDPModule), "all_dtensor": not plain, "plain": plain,
             "reshard_after_forward": [flag for flag, _ in blocks],
-            "offload": [policy for _, policy in blocks], "root_offload": root[1]}
+            "offload": [policy for _, policy in blocks], "root_offload": root[1],
+            "precision": [precision(b) if isinstance(b, FSDPModule) else None
+                          for b in m.layers.values()],
+            "root_precision": precision(m) if isinstance(m, FSDPModule) else None}
 
 
 def describe_tp(m):

@@ -212,6 +212,21 @@ MISTAKES = [
        "        fully_shard(block,\n")]),
     ("fsdp", FSDP, "bf16 parameters always", 18,
      [("    policy = {}\n", "    policy = dict(param_dtype=torch.bfloat16)\n")]),
+    ("fsdp", FSDP, "the bf16 policy given to the root only (the blocks gather fp32)", 18,
+     [("        fully_shard(block, reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n",
+       "        fully_shard(block, reshard_after_forward=reshard_after_forward)\n")]),
+    ("fsdp", FSDP, "the root's logits left in bf16 (no output_dtype)", 18,
+     [("MixedPrecisionPolicy(**policy, output_dtype=torch.float32)",
+       "MixedPrecisionPolicy(**policy)")]),
+    ("fsdp", FSDP, "gradients summed in bf16 (no reduce_dtype)", 18,
+     [("policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+       "policy = dict(param_dtype=torch.bfloat16)")]),
+    ("fsdp", FSDP, "model.layers iterated (its names, not its blocks)", 18,
+     [("    for block in model.layers.values():\n        fully_shard(block,",
+       "    for block in model.layers:\n        fully_shard(block,")]),
+    ("fsdp", FSDP, "the loss history saved as tensors", 20,
+     [("loss_history=[loss.item() for loss in loss_history],", "loss_history=loss_history,")]),
     ("fsdp", FSDP, "no --reshard-after-forward option", 18,
      [('    parser.add_argument("--reshard-after-forward", choices=["true", "false"], default="true",',
        '    parser.add_argument("--reshard-after-forward-unused", choices=["true", "false"], '
@@ -317,6 +332,9 @@ MISTAKES = [
        "from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,\n"
        "                                               parallelize_module)")]),
     ("tp", TP, "os not imported", 23, [("import os\n\n", "\n")]),
+    ("tp", TP, "model.layers iterated (its names, not its blocks)", 24,
+     [("    for block in model.layers.values():\n        parallelize_module(",
+       "    for block in model.layers:\n        parallelize_module(")]),
     ("tp", TP, "out_proj column-wise", 24,
      [('"attn.out_proj": RowwiseParallel(),', '"attn.out_proj": ColwiseParallel(),')]),
     ("tp", TP, "the embedding not split", 24,
@@ -925,6 +943,12 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the bf16 policy given to the root only (the blocks gather fp32)": (
+        "the blocks gather fp32 weights", "reduce_dtype=torch.float32"),
+    "the root's logits left in bf16 (no output_dtype)": ("output_dtype=torch.float32",),
+    "gradients summed in bf16 (no reduce_dtype)": ("summed in bf16",),
+    "model.layers iterated (its names, not its blocks)": ("model.layers.values()",),
+    "the loss history saved as tensors": ("JSON", "loss.item()"),
     "the microbatches' losses summed": ("the sum of the microbatches' losses",),
     "saved before step += 1": ("says step 2",),
     "backward after loss_parallel() ended": ("backward pass ran outside loss_parallel()",),
@@ -1021,6 +1045,10 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # a bf16 run's policy: TODO 18's alone, though the bf16 run stops in evaluate (TODO 19)
+    "the bf16 policy given to the root only (the blocks gather fp32)": {18},
+    "the root's logits left in bf16 (no output_dtype)": {18},
+    "gradients summed in bf16 (no reduce_dtype)": {18},
     # ranks trained on the wrong data: the losses and weights differ from one process's, and
     # TODO 7 and 10 wait (they were FIX lines before)
     "every rank's sampler seeded with its rank (the shards overlap)": {3},

@@ -120,6 +120,14 @@ KNOWN_CAUSES = [
      "fully_shard takes a module that computes something: each block of model.layers (for "
      "block in model.layers.values(): fully_shard(block, ...)), not the ModuleDict that holds "
      "them; then the whole model"),
+    # (a ModuleDict iterated: its names, not its blocks; the memory and TP steps' loops too)
+    (r"'str' object has no attribute '(modules|named_modules|parameters|register_forward\w*|"
+     r"_apply|children|named_children)'",
+     "model.layers is a ModuleDict: iterating it gives the blocks' names; "
+     "for block in model.layers.values() gives the blocks"),
+    (r"Object of type (Tensor|DTensor) is not JSON serializable",
+     "the train_state is written as JSON: numbers, not tensors (a loss history as floats, "
+     "[loss.item() for loss in loss_history]; a tensor's .item())"),
     (r"Cannot access accelerator device when none is available",
      "pinned host memory needs a GPU, and CPUOffloadPolicy() pins by default: "
      "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())"),

@@ -42,9 +42,12 @@ def check(ctx) -> None:
                eval_probe=True,
                extra=["--max-steps", str(STOP_AT), "--checkpoint-every", str(CHECKPOINT_EVERY),
                       "--reshard-after-forward", "false"])
+    # one step at bf16, one process: the MixedPrecisionPolicy that apply_fsdp gives each unit
+    bf16 = Run(ctx.work, "bf16", ctx.script, BATCH, optional=OPTIONAL,
+               extra=["--precision", "bf16", "--max-steps", "1"])
     run.wait(), stop.wait()
     resumed = start_resume(ctx, stop)
-    ref.wait()
+    ref.wait(), bf16.wait()
     if resumed:
         resumed.wait()
     if ref.crashed:
@@ -64,6 +67,7 @@ def check(ctx) -> None:
     sharded = bool(run.ranks[0].get("fsdp"))
     if sharded:  # (the DDP script as shipped trains right: nothing to say about it here)
         check_losses(ctx, run, ref, 18)
+        check_bf16_policy(ctx, bf16)
         check_eval_exact(ctx, run, 19, "evaluate like the DDP step (all_reduce_sum of loss_sum "
                          "and tokens), then reshard every FSDP unit")
     check_checkpoints(ctx, run, stop)
@@ -72,6 +76,51 @@ def check(ctx) -> None:
         rep.attempt(22)
     if sharded or calls(run, "save_full_model"):
         check_weights_file(ctx, run, ref, 22, "final_model.pt")
+
+
+def check_bf16_policy(ctx, bf16) -> None:
+    """TODO 18 under --precision bf16: every unit gathers bf16 weights and sums its gradients
+    in fp32, and the root returns fp32 logits. Losses cannot show it (autocast computes the
+    matmuls in bf16 anyway); the traffic, the loss's rounding and evaluation can: a root that
+    casts its input to bf16 for blocks that kept fp32 weights stops the first evaluation."""
+    rep = ctx.report
+    units = bf16.ranks[0].get("fsdp") if bf16.ranks and bf16.ranks[0] else None
+    problem = policy_problem(units) if units else None
+    if problem:
+        stopped = bf16.failure.message if bf16.crashed and bf16.failure else ""
+        rep.fail(18, problem + (f" (the --precision bf16 run stopped with: {stopped})"
+                                if stopped else ""))
+    elif bf16.crashed:
+        report_crash(ctx, bf16)
+        rep.note(f"(full output of the --precision bf16 run: {bf16.dir / 'output.txt'})")
+    elif problem is None and units and None not in units.get("precision", [None]):
+        rep.ok(18, "with --precision bf16 every unit gathers bf16 weights and sums gradients in "
+               "fp32, and the root returns fp32 logits")
+
+
+def policy_problem(units) -> str | None:
+    """What is wrong with the units' MixedPrecisionPolicy in a bf16 run, "" where nothing is,
+    None where FSDP's internals did not say."""
+    if None in units.get("precision", [None]) or not units.get("root_precision"):
+        return None
+    policies = [*units["precision"], units["root_precision"]]
+    policy = ("mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
+              "reduce_dtype=torch.float32)")
+    gathered = [p[0] for p in policies]
+    if any(d != "bfloat16" for d in gathered):
+        blocks_right, root_right = set(gathered[:-1]) == {"bfloat16"}, gathered[-1] == "bfloat16"
+        which = "the root" if blocks_right else "the blocks" if root_right else "every unit"
+        return (f"with --precision bf16 {which} gather{'s' if blocks_right else ''} fp32 "
+                f"weights (twice the traffic of bf16): every fully_shard call, blocks and root, "
+                f"takes {policy}")
+    if any(p[1] != "float32" for p in policies):
+        return ("with --precision bf16 the gradients are summed in bf16 (the policy's "
+                f"reduce_dtype is unset or bf16): many ranks' gradients lose digits; {policy}")
+    if units["root_precision"][2] != "float32":
+        return ("with --precision bf16 the root returns bf16 logits: the loss over the "
+                "vocabulary is computed from rounded logits; the root's policy also takes "
+                "output_dtype=torch.float32")
+    return ""
 
 
 def check_sharding(ctx, run, stop, ref) -> None:

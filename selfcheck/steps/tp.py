@@ -16,7 +16,7 @@ from selfcheck.runs import ONE, ONE_NODE_TWO, TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_tokens,
                                     check_training_shards, check_weights_file, crash_todo,
-                                    report_crash)
+                                    report_crash, usual_cause)
 
 FILE = "train/tp_training.py"
 WHAT = "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"
@@ -58,8 +58,8 @@ def check(ctx) -> None:
                          "fully_shard(model, mesh=mesh['dp']), instead of DDP")
         elif rep.failed(24) and crash_todo(ctx, run.failure) != 23:
             # a wrong plan gives the layers shapes that do not fit: its crash is no new FIX
-            report_crash(ctx, run, todo=24, cause="what the plan above does to the shapes "
-                         "(fix the plan first)")
+            report_crash(ctx, run, todo=24, cause=usual_cause(run.failure.message)
+                         or "what the plan above does to the shapes (fix the plan first)")
         else:
             report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
