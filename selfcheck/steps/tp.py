@@ -68,12 +68,13 @@ def check(ctx) -> None:
     check_imports(ctx, 23, run)
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
     dp = run.geometry.world // tp if tp else 1
+    shards_right = True
     if mesh == "wrong":  # what the ranks read and count follows from the mesh
         for todo in (27, 31, 32, 33):
             rep.waits(todo, "it follows from the mesh (fix TODO 26 above first)")
     elif r0.get("meshes"):  # before the mesh, the samplers of the DDP script are right as is
-        check_training_shards(ctx, run, 27, 27, replicas=dp, replica_of=lambda r: r // tp,
-                              made_is_attempt=False)
+        shards_right = check_training_shards(ctx, run, 27, 27, replicas=dp,
+                                             replica_of=lambda r: r // tp, made_is_attempt=False)
         check_eval_reads(ctx, run, 27, replicas=dp, replica_of=lambda r: r // tp,
                          made_is_attempt=False)
     check_fsdp(ctx, run)
@@ -85,18 +86,29 @@ def check(ctx) -> None:
         if calls(run, "save_full_model"):
             rep.attempt(32)
     elif split:
-        check_losses(ctx, run, ref, 31)
+        # replicas that train on other data than one process: the losses, the weights and the
+        # evaluation after training can only differ (TODO 27's FIX says why)
+        other_data = ("once each replica trains on its own shard (TODO 27): until then they "
+                      "train on other data than one process")
+        if shards_right:
+            check_losses(ctx, run, ref, 31)
+        else:
+            rep.waits(31, f"the logged losses are compared with one process's {other_data}")
         check_tokens(ctx, run, 31, BATCH * dp * SEQ_LEN,
                      "throughput.step(x.numel() * dp_size): the ranks of a TP group share one batch")
         check_summary(ctx, run)
         check_loss_parallel(ctx, run)
         if calls(run, "save_full_model"):
             rep.attempt(32)
-        check_weights_file(ctx, run, ref, 32, "final_model.pt", how=": save_full_model(model, "
-                           "out_dir / 'final_model.pt') on every rank")
-        check_weights_file(ctx, run, ref, 32, "best_model.pt", ref_name="best_model.pt")
+        if shards_right:
+            check_weights_file(ctx, run, ref, 32, "final_model.pt", how=": save_full_model("
+                               "model, out_dir / 'final_model.pt') on every rank")
+            check_weights_file(ctx, run, ref, 32, "best_model.pt", ref_name="best_model.pt")
+        else:
+            rep.waits(32, f"the saved weights are compared with one process's {other_data}")
         if check_eval_exact(ctx, run, 33, "evaluate(model, loader, device, dp_group): the loss "
-                            "inside loss_parallel(), full_tensor(), all_reduce_sum over dp_group"):
+                            "inside loss_parallel(), full_tensor(), all_reduce_sum over dp_group"
+                            ) and shards_right:
             s = run.summary
             if not (near(s["val_loss"], ref.summary["val_loss"])
                     and near(s["test_loss"], ref.summary["test_loss"])):
