@@ -67,19 +67,28 @@ def check(ctx) -> None:
     if not staged:
         return
     s = run.summary
-    logged_right = check_losses(ctx, run, ref, 38, twice=(  # the check runs 2 microbatches
-        ": twice the mean, the sum of the microbatches' losses instead of their mean? "
-        "(torch.stack(losses).mean())"))
-    # the validation after the last step is evaluated apart from the logged losses: equal to
-    # one process's, the weights trained like one process whatever the step lines said
-    evaluated_right = (near(s["val_loss"], ref.summary["val_loss"])
-                       and near(s["test_loss"], ref.summary["test_loss"]))
-    if logged_right or evaluated_right:
-        rep.ok(37, "schedule.step trains like one process" + (
-            "" if logged_right else " (the validation loss after training is one process's)"))
-    elif not rep.failed(37):
-        rep.fail(37, "the training differs from one process: the first stage passes x, the last "
-                 "target=y and losses=losses; the optimizer steps after schedule.step")
+    # stages that hold the wrong parts compute another model than one process: every
+    # comparison with it can only differ (TODO 34's FIX says why)
+    other_model = rep.failed(34)
+    until = ("once each stage holds its part of the model (TODO 34): until then the pipeline "
+             "computes another model than one process")
+    if other_model:
+        rep.waits(37, f"the training is compared with one process's {until}")
+        rep.waits(38, f"the logged losses are compared with one process's {until}")
+    else:
+        logged_right = check_losses(ctx, run, ref, 38, twice=(  # the check runs 2 microbatches
+            ": twice the mean, the sum of the microbatches' losses instead of their mean? "
+            "(torch.stack(losses).mean())"))
+        # the validation after the last step is evaluated apart from the logged losses: equal
+        # to one process's, the weights trained like one process whatever the step lines said
+        evaluated_right = (near(s["val_loss"], ref.summary["val_loss"])
+                           and near(s["test_loss"], ref.summary["test_loss"]))
+        if logged_right or evaluated_right:
+            rep.ok(37, "schedule.step trains like one process" + (
+                "" if logged_right else " (the validation loss after training is one process's)"))
+        elif not rep.failed(37):
+            rep.fail(37, "the training differs from one process: the first stage passes x, the "
+                     "last target=y and losses=losses; the optimizer steps after schedule.step")
     check_tokens(ctx, run, 38, BATCH * SEQ_LEN, "one pipeline trains on one batch per step: "
                  "throughput.step(x.numel())")
     evals = [c for r in records for c in r.get("schedule_calls", []) if c["kind"] == "eval"]
@@ -89,6 +98,8 @@ def check(ctx) -> None:
     if near(s["val_loss"], ref.summary["val_loss"]) and near(s["test_loss"],
                                                              ref.summary["test_loss"]):
         rep.ok(40, "validation and test losses equal the single-process run")
+    elif other_model:
+        rep.waits(40, f"the validation and test losses are compared with one process's {until}")
     elif ctx.extra.get("pp_shared_stage"):
         rep.waits(40, "the losses are compared once TODO 36 gives the evaluation its own stage "
                   "(the steps after an evaluation train differently without one)")
@@ -103,7 +114,9 @@ def check(ctx) -> None:
     if calls(run, "dcp.save"):
         rep.attempt(39)
     if (run.out / "final_model" / ".metadata").is_file():
-        if ctx.extra.get("pp_shared_stage"):
+        if other_model:
+            rep.waits(39, f"the saved weights are compared with one process's {until}")
+        elif ctx.extra.get("pp_shared_stage"):
             rep.waits(39, "the weights are compared once TODO 36 gives the evaluation its own "
                       "stage (the steps after an evaluation train differently without one)")
         else:
@@ -111,7 +124,7 @@ def check(ctx) -> None:
         if not (run.out / "best_model" / ".metadata").is_file():
             rep.fail(39, "no best_model folder: dcp.save(model.state_dict(), "
                      "checkpoint_id=out_dir / 'best_model') where validation improves")
-        elif not ctx.extra.get("pp_shared_stage"):
+        elif not ctx.extra.get("pp_shared_stage") and not other_model:
             check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
     else:
         saved_by = sorted({r for r, record in enumerate(run.ranks) if record and any(
