@@ -93,7 +93,7 @@ def check_bf16_policy(ctx, bf16) -> None:
     elif bf16.crashed:
         report_crash(ctx, bf16)
         rep.note(f"(full output of the --precision bf16 run: {bf16.dir / 'output.txt'})")
-    elif problem is None and units and None not in units.get("precision", [None]):
+    elif problem == "":  # (None: FSDP's internals did not say, nothing to judge)
         rep.ok(18, "with --precision bf16 every unit gathers bf16 weights and sums gradients in "
                "fp32, and the root returns fp32 logits")
 
@@ -110,7 +110,7 @@ def policy_problem(units) -> str | None:
     if any(d != "bfloat16" for d in gathered):
         blocks_right, root_right = set(gathered[:-1]) == {"bfloat16"}, gathered[-1] == "bfloat16"
         which = "the root" if blocks_right else "the blocks" if root_right else "every unit"
-        return (f"with --precision bf16 {which} gather{'s' if blocks_right else ''} fp32 "
+        return (f"with --precision bf16 {which} gather{'' if which == 'the blocks' else 's'} fp32 "
                 f"weights (twice the traffic of bf16): every fully_shard call, blocks and root, "
                 f"takes {policy}")
     if any(p[1] != "float32" for p in policies):
