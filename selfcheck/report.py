@@ -116,6 +116,12 @@ class Report:
                 unique = list(dict.fromkeys(fixes))
                 text = unique[0] + "".join(f"; also {t}" for t in unique[1:3])
                 lines.append(f"  {FIX:<12} {self.label(todo)}: {text}")
+            elif entries and todo in self.waiting:
+                # part of it works, the rest cannot be judged yet: not ok until it is
+                problems += 1
+                why = self.waiting[todo].removeprefix("not checked: ")
+                lines.append(f"  {'not checked':<12} {self.label(todo)}: {why} "
+                             f"(so far: {entries[0][1]})")
             elif entries:
                 oks = list(dict.fromkeys(text for _, text in entries))
                 lines.append(f"  {OK:<12} {self.label(todo)}: {'; '.join(oks[:2])}")

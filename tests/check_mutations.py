@@ -358,6 +358,9 @@ MISTAKES = [
     ("tp", TP, "samplers count processes", 27,
      [("DistributedSampler(train_ds, num_replicas=dp_size, rank=dp_rank,",
        "DistributedSampler(train_ds, num_replicas=world_size, rank=rank,")]),
+    ("tp", TP, "the sampler's rank from the processes, its count from the replicas", 27,
+     [("DistributedSampler(train_ds, num_replicas=dp_size, rank=dp_rank,",
+       "DistributedSampler(train_ds, num_replicas=dp_size, rank=rank,")]),
     ("tp", TP, "evaluation samplers count processes", 27,
      [("val_sampler = DistributedEvalSampler(val_ds, num_replicas=dp_size, rank=dp_rank)",
        "val_sampler = DistributedEvalSampler(val_ds, num_replicas=world_size, rank=rank)")]),
@@ -945,6 +948,9 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
+    "the sampler's rank from the processes, its count from the replicas": (
+        "Invalid rank 1", "rank=dp_rank"),
     "every stage keeps the final norm": ("stage 0 keeps norm",),
     "the bf16 policy given to the root only (the blocks gather fp32)": (
         "the blocks gather fp32 weights", "reduce_dtype=torch.float32"),
@@ -1053,7 +1059,8 @@ ONLY_FIXED = {
     "the last stage keeps pos_emb": {34},
     "every stage keeps every block": {34},
     "a split that loses a layer": {34},
-    "samplers count processes": {27},  # (TODO 31-33 wait: the replicas train on other data)
+    "samplers count processes": {27},
+    "the sampler's rank from the processes, its count from the replicas": {27},  # (TODO 31-33 wait: the replicas train on other data)
     # a bf16 run's policy: TODO 18's alone, though the bf16 run stops in evaluate (TODO 19)
     "the bf16 policy given to the root only (the blocks gather fp32)": {18},
     "the root's logits left in bf16 (no output_dtype)": {18},

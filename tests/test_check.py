@@ -240,6 +240,19 @@ def test_a_todo_not_checked_points_to_the_fix_above_or_below_it():
     assert "fix TODO 2 below first" in lines[0] and "fix TODO 2 above first" in lines[2], lines
 
 
+def test_a_todo_judged_only_in_part_is_not_ok_until_the_rest_can_be_judged():
+    """TP's TODO 31: the tokens counted are right, but the losses wait for TODO 27's data."""
+    from selfcheck.report import Report
+    report = Report({27: "a", 31: "b"}, {27: "edited", 31: "edited"})
+    report.fail(27, "the replicas read the same data: what to change")
+    report.ok(31, "tokens/s count the batch of each replica")
+    report.waits(31, "the logged losses are compared once TODO 27 is fixed")
+    lines, problems = report.render()
+    assert lines[1].split()[:2] == ["not", "checked"], lines
+    assert "compared once TODO 27" in lines[1] and "so far: tokens/s count" in lines[1], lines
+    assert problems == 2
+
+
 def test_a_todo_not_checked_waits_for_the_todo_not_started_that_runs_it():
     from selfcheck.report import Report
     status = {18: "edited", 19: "not started", 20: "edited", 21: "not started"}

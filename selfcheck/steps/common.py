@@ -112,6 +112,10 @@ KNOWN_CAUSES = [
      "it into one file (or a DCP save writes every rank's shards)"),
     (r"Default process group has not been initialized|process group has not been initialized",
      "a collective before setup(): call setup() first"),
+    (r"Invalid rank \d+, rank should be in the interval",
+     "a sampler's rank numbers the replica that reads the shard, below its num_replicas: "
+     "give both from the same count (num_replicas=dp_size, rank=dp_rank with a dp mesh; "
+     "num_replicas=world_size, rank=rank without)"),
     (r"unrecognized arguments",
      "the script's parser has no such option yet"),
     (r"Profiler must be initialized", "the profiler recorded no step: call profiler.step() "
@@ -411,10 +415,11 @@ def epoch_passes(record, which):
 
 
 def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica_of,
-                          made_is_attempt=True):
+                          made_is_attempt=True, given_as="num_replicas=world_size, rank=rank"):
     """Each replica trains on its own shard: `replicas` replicas, rank r in replica_of(r).
     made_is_attempt: building a DistributedSampler at all shows the TODO was started (not in
-    the steps whose exercise has samplers already). Returns whether the shards are right:
+    the steps whose exercise has samplers already). given_as: the sampler's arguments in the
+    step's solution, for the FIX line. Returns whether the shards are right:
     where they are not, a comparison of the training with one process can only differ."""
     rep = ctx.report
     records = run.ranks
@@ -448,8 +453,10 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
         want_rank = replica_of(rank)
         got_replicas, got_rank = given.get("num_replicas"), given.get("rank")
         if got_replicas is not None and got_replicas != replicas:
+            count = "is one replica" if replicas == 1 else f"are {replicas} replicas"
             problems.append((todo_sampler, f"the training sampler has num_replicas="
-                             f"{got_replicas}, there are {replicas} data-parallel replicas"))
+                             f"{got_replicas}, but there {count} to split the data over: "
+                             f"DistributedSampler(train_ds, {given_as}, ...)"))
             break
         if got_rank is not None and got_rank != want_rank:
             local = record["local_rank"]
@@ -457,7 +464,7 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
                    "same data; use the global rank)" if got_rank == local and local != want_rank
                    else "")
             problems.append((todo_sampler, f"rank {rank}'s training sampler has rank={got_rank}, "
-                             f"expected {want_rank}{why}"))
+                             f"expected {want_rank}{why or f': DistributedSampler(train_ds, {given_as}, ...)'}"))
             break
         if given.get("shuffle") is False:
             problems.append((todo_sampler, "the training sampler has shuffle=False: it must "

@@ -52,7 +52,7 @@ def check(ctx) -> None:
     if records[0].get("datasets") and records[1].get("datasets") and (split or staged or
                                                                         ctx.status.get(35) == "edited"):
         check_training_shards(ctx, run, 35, 35, replicas=1, replica_of=lambda r: 0,
-                              made_is_attempt=False)
+                              made_is_attempt=False, given_as="num_replicas=1, rank=0")
         check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
                          made_is_attempt=False)
     if staged and not ctx.extra.get("pp_crash_explained"):
