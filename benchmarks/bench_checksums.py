@@ -14,6 +14,7 @@ into --dir (default: a temporary folder), read back --repeat times, the fastest 
 import argparse
 import hashlib
 import platform
+import sys
 import tempfile
 import time
 import zlib
@@ -21,8 +22,11 @@ from pathlib import Path
 
 import torch
 
-from utils.data import Corpus, _load_cached, _save_cached
-from utils.files import crc32_file, torch_file_problem
+# the course's packages where they are not installed (pip install -e .), as on a GPU node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from utils.data import Corpus, _load_cached, _save_cached  # noqa: E402
+from utils.files import crc32_file, torch_file_problem  # noqa: E402
 
 
 def fastest(fn, repeat: int) -> float:

@@ -17,18 +17,23 @@ which other processes' load changes far less than the wall time. Prints numbers;
 import argparse
 import platform
 import statistics
+import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from model import TransformerLM, get_config
-from utils.data import TokenWindows
-from utils.metrics import Throughput, synchronize
-from utils.monitor import TrainingMonitor
+# the course's packages where they are not installed (pip install -e .), as on a GPU node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import TransformerLM, get_config  # noqa: E402
+from utils.data import TokenWindows  # noqa: E402
+from utils.metrics import Throughput, synchronize  # noqa: E402
+from utils.monitor import TrainingMonitor  # noqa: E402
 
 VOCAB = 33278  # WikiText-2's
 

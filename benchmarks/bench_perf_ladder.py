@@ -33,6 +33,7 @@ import statistics
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -40,9 +41,12 @@ import torch.nn.functional as F
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import TransformerLM, get_config
-from utils.metrics import flops_per_token, measure_matmul_flops, peak_flops
-from utils.precision import autocast, compile_blocks, matmul_dtype, set_precision
+# the course's packages where they are not installed (pip install -e .), as on a GPU node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import TransformerLM, get_config  # noqa: E402
+from utils.metrics import flops_per_token, measure_matmul_flops, peak_flops  # noqa: E402
+from utils.precision import autocast, compile_blocks, matmul_dtype, set_precision  # noqa: E402
 
 WIKITEXT2_VOCAB = 33278
 

@@ -15,14 +15,19 @@ no TF32 (the row repeats fp32) and the fused AdamW is not used, as in the script
 import argparse
 import platform
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from model import TransformerLM, get_config
-from utils.metrics import flops_per_token, peak_flops, synchronize
-from utils.precision import autocast, compile_blocks, set_precision
+# the course's packages where they are not installed (pip install -e .), as on a GPU node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import TransformerLM, get_config  # noqa: E402
+from utils.metrics import flops_per_token, peak_flops, synchronize  # noqa: E402
+from utils.precision import autocast, compile_blocks, set_precision  # noqa: E402
 
 WIKITEXT2_VOCAB = 33278
 

@@ -10,6 +10,7 @@ machine: step times on shared CPUs vary by 20-30 %.
 import argparse
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -17,9 +18,12 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from model import TransformerLM, get_config
-from utils.data import TokenWindows, load_corpus
-from utils.metrics import flops_per_token, measure_matmul_flops, synchronize
+# the course's packages where they are not installed (pip install -e .), as on a GPU node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model import TransformerLM, get_config  # noqa: E402
+from utils.data import TokenWindows, load_corpus  # noqa: E402
+from utils.metrics import flops_per_token, measure_matmul_flops, synchronize  # noqa: E402
 
 WIKITEXT2_VOCAB = 33278
 BATCH = {"tiny": 32, "small": 32, "workshop": 8}  # the course's per-rank batch; 8 for CPU memory

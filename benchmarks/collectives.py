@@ -49,6 +49,9 @@ import sys
 import time
 from pathlib import Path
 
+# the course's packages where they are not installed (pip install -e .), as on a GPU node
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv")
 DTYPES = {"float32": "float32", "float": "float32", "fp32": "float32", "float64": "float64",
           "double": "float64", "float16": "float16", "half": "float16", "fp16": "float16",

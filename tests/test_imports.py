@@ -70,3 +70,23 @@ def test_distributed_utils_stays_a_page_a_participant_reads_in_five_minutes():
                           "slides name (setup, print0, save0, the collectives, teardown); "
                           "put the rest in a module of its own (utils/checkpointing.py, "
                           "utils/launch.py)")
+
+
+def test_every_benchmark_and_tool_starts_from_a_checkout_where_python_has_no_installed_copy(
+        tmp_path):
+    """A GPU node's own Python has torch but not `pip install -e .`: the first GPU run's
+    benchmark stopped at "No module named 'model'"."""
+    import subprocess
+    scripts = sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
+    code = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path "
+            "if 'editable' not in getattr(f, '__module__', '')]; "
+            "sys.argv = [sys.argv[1], '--help']; runpy.run_path(sys.argv[0], run_name='__main__')")
+    failed = []
+    for script in scripts:
+        proc = subprocess.run([sys.executable, "-c", code, str(script)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300,
+                              env={k: v for k, v in __import__("os").environ.items()
+                                   if k != "PYTHONPATH"})
+        if "No module named" in proc.stderr:
+            failed.append(f"{script.relative_to(ROOT)}: {proc.stderr.strip().splitlines()[-1]}")
+    assert not failed, failed
