@@ -73,6 +73,9 @@ MISTAKES = [
     ("ddp", DDP, "no set_epoch", 6, [("        train_sampler.set_epoch(epoch)\n", "")]),
     ("ddp", DDP, "set_epoch(0)", 6,
      [("train_sampler.set_epoch(epoch)", "train_sampler.set_epoch(0)")]),
+    ("ddp", DDP, "set_epoch on rank 0 only (the shards overlap from the second epoch)", 6,
+     [("        train_sampler.set_epoch(epoch)",
+       "        if rank == 0:\n            train_sampler.set_epoch(epoch)")]),
     ("ddp", DDP, "set_epoch on the validation sampler", 6,
      [("train_sampler.set_epoch(epoch)", "val_sampler.set_epoch(epoch)")]),
     ("ddp", DDP, "the logged loss is a sum over ranks", 7,
@@ -949,6 +952,8 @@ MISTAKES = [
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
+    "set_epoch on rank 0 only (the shards overlap from the second epoch)": (
+        "rank 1 reads the first epoch's order again", "none under `if rank == 0:`"),
     "the sampler's rank from the processes, its count from the replicas": (
         "Invalid rank 1", "rank=dp_rank"),
     "every stage keeps the final norm": ("stage 0 keeps norm",),
@@ -1060,6 +1065,7 @@ ONLY_FIXED = {
     "every stage keeps every block": {34},
     "a split that loses a layer": {34},
     "samplers count processes": {27},
+    "set_epoch on rank 0 only (the shards overlap from the second epoch)": {6},
     "the sampler's rank from the processes, its count from the replicas": {27},  # (TODO 31-33 wait: the replicas train on other data)
     # a bf16 run's policy: TODO 18's alone, though the bf16 run stops in evaluate (TODO 19)
     "the bf16 policy given to the root only (the blocks gather fp32)": {18},

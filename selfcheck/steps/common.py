@@ -522,7 +522,14 @@ def check_new_order(ctx, run, todo_epoch, todo_sampler):
             rep.waits(todo_epoch, "set_epoch is called; it is checked once the training "
                       "DataLoader takes its batches from the sampler")
         return  # without a sampler there is nothing to tell the epoch (reported with it)
-    if passes[0] != passes[1]:
+    # a rank whose order repeats reads from the second epoch on what another rank reads
+    repeats = [rank for rank, r in enumerate(run.ranks) if r and len(epoch_passes(r, 0)) >= 2
+               and epoch_passes(r, 0)[0] == epoch_passes(r, 0)[1]]
+    if passes[0] != passes[1] and repeats:
+        rep.fail(todo_epoch, f"rank {repeats[0]} reads the first epoch's order again in the "
+                 "second, rank 0 a new one, so the ranks' shards overlap: every rank calls "
+                 "train_sampler.set_epoch(epoch) (none under `if rank == 0:`)")
+    elif passes[0] != passes[1]:
         rep.ok(todo_epoch, "every epoch has a new order")
     elif sampler and sampler["given"].get("shuffle") is False:  # reported with the sampler
         rep.waits(todo_epoch, f"a new order each epoch is checked once TODO {todo_sampler}'s "
