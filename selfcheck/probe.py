@@ -282,8 +282,11 @@ class Probe:
             wrap(du, name, before=called(name, group_size=group_size))
         for name in ("print0", "save0", "barrier", "gather_per_rank"):
             wrap(du, name, before=called(name))
-        for name in ("save_full_model", "load_sharded_model", "resume_checkpoint"):
+        for name in ("save_full_model", "load_sharded_model"):
             wrap(ck, name, before=called(name))
+        # the folder where --resume auto and a restart look for the newest checkpoint
+        wrap(ck, "resume_checkpoint", before=called("resume_checkpoint", folder=lambda *a, **k: str(
+            k.get("folder", a[1] if len(a) > 1 else ""))))
 
         def saved(key):  # a number of the train_state a checkpoint is saved with
             def get(*a, **k):

@@ -325,6 +325,10 @@ MISTAKES = [
      [("len(train_loader), args.max_steps)", "len(train_ds), args.max_steps)")]),
     ("fsdp", FSDP, "--resume taken as the folder, without resume_checkpoint", 21,
      [('resume = resume_checkpoint(args.resume, out_dir / "checkpoints")', "resume = args.resume")]),
+    ("fsdp", FSDP, "resume_checkpoint looks in OUT_DIR, the checkpoints are in OUT_DIR/checkpoints", 21,
+     [('resume_checkpoint(args.resume, out_dir / "checkpoints")', "resume_checkpoint(args.resume, out_dir)")]),
+    ("fsdp", FSDP, "the string 'false' turned into a bool for apply_fsdp", 19,
+     [('args.reshard_after_forward == "true")', "bool(args.reshard_after_forward))")]),
     ("fsdp", FSDP, "loss_history restored as floats", 21,
      [('loss_history = [torch.tensor(loss, device=device) for loss in train_state["loss_history"]]',
        'loss_history = train_state["loss_history"]')]),
@@ -952,6 +956,9 @@ MISTAKES = [
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
+    "resume_checkpoint looks in OUT_DIR, the checkpoints are in OUT_DIR/checkpoints": (
+        "in OUT_DIR,", "out_dir / 'checkpoints'"),
+    "the string 'false' turned into a bool for apply_fsdp": ("bool('false') is True",),
     "set_epoch on rank 0 only (the shards overlap from the second epoch)": (
         "rank 1 reads the first epoch's order again", "none under `if rank == 0:`"),
     "the sampler's rank from the processes, its count from the replicas": (
@@ -1065,6 +1072,8 @@ ONLY_FIXED = {
     "every stage keeps every block": {34},
     "a split that loses a layer": {34},
     "samplers count processes": {27},
+    "resume_checkpoint looks in OUT_DIR, the checkpoints are in OUT_DIR/checkpoints": {21},
+    "the string 'false' turned into a bool for apply_fsdp": {19},
     "set_epoch on rank 0 only (the shards overlap from the second epoch)": {6},
     "the sampler's rank from the processes, its count from the replicas": {27},  # (TODO 31-33 wait: the replicas train on other data)
     # a bf16 run's policy: TODO 18's alone, though the bf16 run stops in evaluate (TODO 19)
@@ -1099,6 +1108,9 @@ ONLY_FIXED = {
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
+    ("fsdp", FSDP, "the checkpoints folder as a string",
+     [('resume_checkpoint(args.resume, out_dir / "checkpoints")',
+       'resume_checkpoint(args.resume, str(out_dir) + "/checkpoints")')]),
     ("ddp", DDP, "the model and optimizer let go by setting them to None",
      [("    del model, optimizer\n", "    model = optimizer = None\n")]),
     ("fsdp", FSDP, "every unit resharded by name, blocks then root",

@@ -12,6 +12,7 @@ value no evaluation can beat: a run that forgot it saves a new "best").
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 
 from selfcheck.compare import (first_difference, first_different_tensor, load_checkpoint_state,
@@ -123,13 +124,18 @@ def policy_problem(units) -> str | None:
     return ""
 
 
+def reshard_given(record) -> list:
+    """What each call of apply_fsdp got for reshard_after_forward (a string shows as a dict)."""
+    return [c["args"][2] if len(c["args"]) > 2 else c["kwargs"].get("reshard_after_forward")
+            for c in (record or {}).get("own_calls", {}).get("apply_fsdp", [])]
+
+
 def check_sharding(ctx, run, stop, ref) -> None:
     rep = ctx.report
     r0 = run.ranks[0]
     units = r0.get("fsdp")
     given = [c for c in r0.get("own_calls", {}).get("apply_fsdp", [])]
-    flag = [c["args"][2] if len(c["args"]) > 2 else c["kwargs"].get("reshard_after_forward")
-            for c in given]
+    flag = reshard_given(r0)
     if any(isinstance(f, dict) for f in flag):
         rep.fail(19, f"apply_fsdp gets reshard_after_forward={flag[0].get('str', '?')!r}, a "
                  "string (and the string 'false' counts as true): pass a bool, "
@@ -175,7 +181,12 @@ def check_sharding(ctx, run, stop, ref) -> None:
                  (stop.ranks[0] or {}).get("fsdp", {}) .get("reshard_after_forward")
                  if stop.ranks and stop.ranks[0] and stop.ranks[0].get("fsdp") else None]
         if flags[0] and flags[1] and None not in flags[0] + flags[1]:
-            if not all(flags[0]) or any(flags[1]):
+            if any(flags[1]) and reshard_given(stop.ranks[0])[:1] == [True]:
+                # apply_fsdp passes on what it gets; its caller turned "false" into True
+                rep.fail(19, "with --reshard-after-forward false, apply_fsdp gets "
+                         "reshard_after_forward=True (bool('false') is True: any non-empty "
+                         "string is): pass args.reshard_after_forward == 'true'")
+            elif not all(flags[0]) or any(flags[1]):
                 rep.fail(18, f"--reshard-after-forward true/false gave the blocks "
                          f"reshard_after_forward={flags[0][0]}/{flags[1][0]}: pass "
                          "reshard_after_forward to fully_shard of every block")
@@ -356,6 +367,14 @@ def check_resume(ctx, stop, resumed, ref) -> None:
         rep.fail(21, "--resume is used as the folder itself: resume = resume_checkpoint("
                  "args.resume, out_dir / 'checkpoints'), which also turns --resume auto and a "
                  "torchrun or Slurm restart into the newest checkpoint")
+    for c in calls(resumed, "resume_checkpoint", rank=0)[:1]:
+        folder, expected = Path(c.get("folder") or "."), resumed.out / "checkpoints"
+        if folder.resolve() != expected.resolve():
+            shown = "OUT_DIR" if folder.resolve() == resumed.out.resolve() else str(folder)
+            rep.fail(21, f"resume_checkpoint looks for the newest checkpoint in {shown}, but "
+                     "they are saved in OUT_DIR/checkpoints: --resume auto and a restart would "
+                     "start again at step 0; resume_checkpoint(args.resume, out_dir / "
+                     "'checkpoints')")
     # the check stops mid-epoch; a checkpoint of an epoch's end needs the right count to move
     # on to the next epoch
     n_train = (r.get("datasets") or [{}])[0].get("len")
