@@ -547,8 +547,8 @@ class Probe:
         wrap(torch.optim.AdamW, "__init__", before=adamw_init)
 
         def compile_(model=None, *a, **k):  # recorded, not run: compiling takes minutes
-            if model is None:  # @torch.compile(...) as a decorator
-                return lambda fn: fn
+            if model is None:  # @torch.compile(mode=...) as a decorator: compiles what follows
+                return lambda fn: compile_(fn, *a, **k)
             record["compiled"].append(type(model).__name__)
             module = isinstance(model, torch.nn.Module)
             name = type(model).__name__ if module else getattr(model, "__name__",
@@ -559,10 +559,15 @@ class Probe:
                 return model
 
             @functools.wraps(model)
-            def counted(*args, **kwargs):  # a compiled function: is it used?
+            def counted(*args, **kwargs):  # a compiled function: is it used, for a loss?
                 calls = record.setdefault("compiled_function_calls", {})
                 calls[name] = calls.get(name, 0) + 1
-                return model(*args, **kwargs)
+                result = model(*args, **kwargs)
+                if isinstance(result, torch.Tensor) and result.dim() == 0:
+                    losses = record.setdefault("compiled_losses", [])
+                    if name not in losses:
+                        losses.append(name)
+                return result
             return counted
         torch.compile = compile_
 
@@ -1000,9 +1005,9 @@ def lesson_call(fn, *args) -> dict:
 class _StandInEvent:
     """One row of profiler.key_averages(), in microseconds, as torch reports it."""
 
-    def __init__(self, key, count, cpu_total, self_device, device_total):
+    def __init__(self, key, count, cpu_total, self_cpu, self_device, device_total):
         self.key, self.count = key, count
-        self.cpu_time_total, self.self_cpu_time_total = cpu_total, cpu_total
+        self.cpu_time_total, self.self_cpu_time_total = cpu_total, self_cpu
         self.self_device_time_total = self.self_cuda_time_total = self_device
         self.device_time_total = self.cuda_time_total = device_total
 
@@ -1014,10 +1019,11 @@ class _StandInProfiler:
 
     def __init__(self, kernel_ms: float):
         mm, add = 0.8 * kernel_ms * 3e3, 0.2 * kernel_ms * 3e3  # µs over the 3 steps
-        self.rows = [_StandInEvent("ProfilerStep*", 3, 30e3, 0.0, kernel_ms * 3e3),
-                     _StandInEvent("aten::mm", 30, 6e3, mm, mm),
-                     _StandInEvent("aten::add", 30, 2e3, add, add),
-                     _StandInEvent("aten::linear", 30, 9e3, 0.0, mm)]  # mm runs inside it
+        # an operator's own (self) CPU time leaves out the operators inside it
+        self.rows = [_StandInEvent("ProfilerStep*", 3, 30e3, 19e3, 0.0, kernel_ms * 3e3),
+                     _StandInEvent("aten::mm", 30, 6e3, 6e3, mm, mm),
+                     _StandInEvent("aten::add", 30, 2e3, 2e3, add, add),
+                     _StandInEvent("aten::linear", 30, 9e3, 3e3, 0.0, mm)]  # mm runs inside it
 
     def key_averages(self, *a, **k):
         return self.rows

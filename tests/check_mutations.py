@@ -689,6 +689,35 @@ MISTAKES = [
     ("perf", PERF, "one more multiple than needed", 60,
      [("    return -(-vocab_size // multiple) * multiple",
        "    return (vocab_size // multiple + 1) * multiple")]),
+    ("perf", PERF, "a profiler schedule without repeat=1 (a trace every cycle)", 43,
+     [("schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1)",
+       "schedule=schedule(wait=wait, warmup=warmup, active=active)")]),
+    ("perf", PERF, "traces not named after their rank", 43,
+     [('on_trace_ready=tensorboard_trace_handler(str(out_dir / "profile"),\n'
+       '                                                            worker_name=f"rank{rank}"))',
+       'on_trace_ready=tensorboard_trace_handler(str(out_dir / "profile")))')]),
+    ("perf", PERF, "the profiler's window from every epoch's steps, --max-steps left out", 43,
+     [("    if args.max_steps is not None:\n        steps_available = min(steps_available, args.max_steps)\n",
+       "")]),
+    ("perf", PERF, "the rate of one step's tokens over the whole interval", 42,
+     [("rate = interval_tokens / (time.perf_counter() - interval_start)",
+       "rate = x.numel() * world_size / (time.perf_counter() - interval_start)")]),
+    ("perf", PERF, "MFU multiplied by 100 and printed with %", 42,
+     [("MFU {rate * flops_per_tok / (peak * world_size):.1%}",
+       "MFU {100 * rate * flops_per_tok / (peak * world_size):.1%}")]),
+    ("perf", PERF, "a vocabulary that is a multiple padded by one more", 60,
+     [("    return -(-vocab_size // multiple) * multiple",
+       "    return vocab_size + (multiple - vocab_size % multiple)")]),
+    ("perf", PERF, "the step's time from its self CPU time", 59,
+     [("    step_us = sum(e.cpu_time_total for e in steps)",
+       "    step_us = sum(e.self_cpu_time_total for e in steps)")]),
+    ("perf", PERF, "gpu_busy whenever --profile is given (a short run has no profiler)", 59,
+     [("    if profiler is not None:\n        kernels_ms, step_ms = gpu_busy(profiler)\n",
+       "    if args.profile:\n        kernels_ms, step_ms = gpu_busy(profiler)\n")]),
+    ("perf", PERF, "DDP only where a node runs several processes", 62,
+     [("import contextlib\n", "import contextlib\nimport os\n"),
+      ("    if world_size > 1:\n        model = DDP(",
+       '    if int(os.environ.get("LOCAL_WORLD_SIZE", "1")) > 1:\n        model = DDP(')]),
     ("perf", PERF, "the loss compiled without --compile", 61,
      [("    loss_fn = torch.compile(lm_loss) if args.compile else lm_loss\n",
        "    loss_fn = torch.compile(lm_loss)\n")]),
@@ -956,6 +985,16 @@ MISTAKES = [
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
+    "a profiler schedule without repeat=1 (a trace every cycle)": ("repeat=1",),
+    "traces not named after their rank": ("worker_name=f'rank{rank}'",),
+    "the profiler's window from every epoch's steps, --max-steps left out": (
+        "min(steps_available, args.max_steps)",),
+    "the rate of one step's tokens over the whole interval": ("0.5 x", "interval_tokens +="),
+    "MFU multiplied by 100 and printed with %": ("100 x the formula's",),
+    "a vocabulary that is a multiple padded by one more": ("stays as it is",),
+    "the step's time from its self CPU time": ("self_cpu_time_total leaves out",),
+    "gpu_busy whenever --profile is given (a short run has no profiler)": (
+        "if profiler is not None",),
     "resume_checkpoint looks in OUT_DIR, the checkpoints are in OUT_DIR/checkpoints": (
         "in OUT_DIR,", "out_dir / 'checkpoints'"),
     "the string 'false' turned into a bool for apply_fsdp": ("bool('false') is True",),
@@ -1072,6 +1111,8 @@ ONLY_FIXED = {
     "every stage keeps every block": {34},
     "a split that loses a layer": {34},
     "samplers count processes": {27},
+    "a vocabulary that is a multiple padded by one more": {60},
+    "gpu_busy whenever --profile is given (a short run has no profiler)": {59},
     "resume_checkpoint looks in OUT_DIR, the checkpoints are in OUT_DIR/checkpoints": {21},
     "the string 'false' turned into a bool for apply_fsdp": {19},
     "set_epoch on rank 0 only (the shards overlap from the second epoch)": {6},
@@ -1108,6 +1149,16 @@ ONLY_FIXED = {
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
+    ("perf", PERF, "ranges named after the code they wrap",
+     [('annotate("forward", device)', 'annotate("model(x) + loss_fn", device)'),
+      ('annotate("backward", device)', 'annotate("loss.backward()", device)'),
+      ('annotate("optimizer", device)', 'annotate("optimizer.step()", device)'),
+      ('annotate("communication", device)', 'annotate("all_reduce_mean(loss)", device)')]),
+    ("perf", PERF, "the compiled loss as a function of its own under @torch.compile",
+     [("    loss_fn = torch.compile(lm_loss) if args.compile else lm_loss\n",
+       "    loss_fn = lm_loss\n    if args.compile:\n        @torch.compile\n"
+       "        def loss_fn(logits, targets):\n"
+       "            return F.cross_entropy(logits.flatten(0, 1), targets.flatten())\n")]),
     ("fsdp", FSDP, "the checkpoints folder as a string",
      [('resume_checkpoint(args.resume, out_dir / "checkpoints")',
        'resume_checkpoint(args.resume, str(out_dir) + "/checkpoints")')]),

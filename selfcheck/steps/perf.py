@@ -1,7 +1,7 @@
 """The performance step, train/perf_training.py (TODOs 41-47, 59-63): measure, profile, fix.
 
-Four runs of your script: two ranks with --profile (fp32, vocabulary unpadded, next to the
-solution in one process), one process in bf16 with --compile --compile-mode max-autotune and
+Four runs of your script: two ranks with --profile, on two nodes of one process each (fp32,
+vocabulary unpadded, next to the solution in one process), one process in bf16 with --compile --compile-mode max-autotune and
 the default padding (compiling is recorded, not done: it takes minutes on a CPU), and one
 process with --profile --max-steps 1 (too short to profile: it must say so and train). What only
 a GPU shows is read from what your code builds: the compile calls and their mode, whether one
@@ -18,7 +18,7 @@ import statistics
 
 from selfcheck import standin
 from selfcheck.compare import lists_close, near
-from selfcheck.runs import ONE_NODE_TWO, PEAK_FLOPS, SEQ_LEN, Run
+from selfcheck.runs import ONE_NODE_TWO, PEAK_FLOPS, SEQ_LEN, TWO_NODES, Run
 from selfcheck.steps.common import check_imports, crash_todo, report_crash
 
 FILE = "train/perf_training.py"
@@ -34,7 +34,8 @@ RATE = re.compile(r"([\d.,]+(?:e[+-]?\d+)?)\s*(k|K|M)?\s*(?:tokens|tok)\s*/\s*s"
 MFU = re.compile(r"MFU\W{0,3}([\d.]+(?:e[+-]?\d+)?)\s*%|([\d.]+)\s*%\s*MFU", re.I)
 STEP = re.compile(r"\bstep\s*(\d+)\b", re.I)
 FLOPS = re.compile(r"([\d.]+(?:e[+-]?\d+)?)\s*([kMGTP]?)FLOP/?s", re.I)
-PHASES = {"forward": ("forward", "fwd"), "backward": ("backward", "bwd"),
+PHASES = {"forward": ("forward", "fwd", "model(", "logits", "loss_fn"),
+          "backward": ("backward", "bwd"),
           "optimizer": ("optim",), "communication": ("comm", "all_reduce", "allreduce",
                                                       "reduce")}
 
@@ -53,7 +54,9 @@ def check(ctx) -> None:
     # TODO 60 not done yet must not look like a wrong TODO 45
     ref = Run(ctx.work, "reference", ctx.root / "solutions" / FILE, BATCH * 2, reference=True,
               extra=["--pad-vocab", "1"])
-    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=ONE_NODE_TWO,
+    # two nodes of one process each: DDP is needed where there are two processes, whatever
+    # each node holds (a test of LOCAL_WORLD_SIZE or the GPUs of a node misses it, TODO 62)
+    run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES,
               extra=["--profile", "--pad-vocab", "1"], optional=OPTIONAL,
               env={"CHECK_EVAL_PAUSE": str(EVAL_PAUSE)})
     fast = Run(ctx.work, "bf16", ctx.script, BATCH * 2, optional=OPTIONAL,
@@ -84,6 +87,7 @@ def check(ctx) -> None:
     check_precision(ctx, run, fast, ref)
     check_fused_and_compile(ctx, run, fast)
     check_on_a_gpu(ctx, run, gpu, profiling)
+    check_rates_between_reports(ctx, gpu)
     check_gpu_busy(ctx, run, profiling)
     check_padding(ctx, run, short)
     check_loss_compiled(ctx, run, short)
@@ -144,15 +148,17 @@ def check_reports(ctx, run) -> None:
     bad = [(s, t, m) for s, t, m in reports if not (t > 0 and 0 < m <= 100)]
     if bad:
         s, t, m = bad[0]
-        rep.fail(42, f"step {s} reports {t:g} tokens/s and MFU {m}%: MFU is rate * "
-                 "flops_per_tok / (peak * world_size), between 0 and 100 %")
+        hundred = t > 0 and near(m / (t * flops / (PEAK_FLOPS * world)), 10000, 0.05)
+        rep.fail(42, f"step {s} reports {t:g} tokens/s and MFU {m}%: " + (
+            "100 x the formula's, as the format :.1% multiplies by 100 itself: print the "
+            "fraction, MFU {rate * flops_per_tok / (peak * world_size):.1%}" if hundred else
+            "MFU is rate * flops_per_tok / (peak * world_size), between 0 and 100 %"))
         return
     # tokens/s first: a rate of one rank with MFU over one device's peak gives the right MFU,
     # and fixing the MFU alone would make it wrong. The course monitor's line of the same step
     # measures the same interval (utils/monitor.py): the script's rate should agree with it.
+    theirs = monitor_rates(r0)
     monitor = r0.get("monitor_lines", [])
-    theirs = {int(STEP.search(l).group(1)): number(*RATE.search(l).groups(default=""))
-              for l in monitor if STEP.search(l) and RATE.search(l)}
     agree = [(s, t / theirs[s]) for s, t, _ in reports if theirs.get(s)]
     off = [(s, q) for s, q in agree if not 0.75 <= q <= 1.33]
     # at two steps or more: a wrong count or interval is off at many steps, a moment of a busy
@@ -240,6 +246,30 @@ def check_reports(ctx, run) -> None:
                "against the peak it prints")
 
 
+def monitor_rates(record) -> dict[int, float]:
+    """step -> the tokens/s of the course monitor's line for it (utils/monitor.py), which
+    measures the same interval as the script's own report."""
+    return {int(STEP.search(l).group(1)): number(*RATE.search(l).groups(default=""))
+            for l in record.get("monitor_lines", []) if STEP.search(l) and RATE.search(l)}
+
+
+def check_rates_between_reports(ctx, gpu) -> None:
+    """TODO 42 where reports are two steps apart (the stand-in GPU run, --log-every 2): the
+    rate counts the tokens of every step since the last report, not only the last step's."""
+    rep = ctx.report
+    if rep.failed(42) or gpu.crashed or not gpu.ranks or not gpu.ranks[0]:
+        return
+    theirs = monitor_rates(gpu.ranks[0])
+    reports = step_reports(own_lines(gpu.outputs[0], gpu.ranks[0]))
+    # (the first report of the run is left out: its interval holds the warm-up)
+    ratios = [rate / theirs[s] for s, rate, _ in reports[1:] if theirs.get(s)]
+    if len(ratios) >= 2 and statistics.median(ratios) < 0.7:
+        rep.fail(42, f"with --log-every 2 the tokens/s printed are {statistics.median(ratios):.2g}"
+                 " x the course monitor's for the same steps: count every step's tokens since "
+                 "the last report, interval_tokens += x.numel() * world_size after each step, "
+                 "and divide that sum by the time")
+
+
 def trace_events(path):
     try:
         return json.loads(path.read_text()).get("traceEvents", [])
@@ -276,10 +306,18 @@ def check_profiler(ctx, run, short, profiling) -> set:
     rep.attempt(43)
     traces = [sorted((run.out / "profile").glob(f"rank{r}.*.pt.trace.json"))
               for r in range(run.geometry.world)]
-    if not (run.out / "profile").is_dir() or not any(traces):
+    written = sorted((run.out / "profile").glob("*.pt.trace.json")) if (
+        run.out / "profile").is_dir() else []
+    if written and not any(traces):
+        rep.fail(43, f"the traces are named {written[0].name.split('.')[0]}.*: name each "
+                 "rank's file after its rank, tensorboard_trace_handler(..., "
+                 "worker_name=f'rank{rank}')")
+        return user_ranges(trace_events(written[0]))
+    if not written:
         rep.fail(43, "--profile wrote no trace into OUT_DIR/profile: profiler = "
                  "make_profiler(out_dir, rank, device, steps_available), profiler.step() after "
                  "each step, profiler.stop() at the end")
+        rep.waits(44, "the named ranges are checked in the trace, once --profile writes one")
         return set()
     missing = [r for r, t in enumerate(traces) if not t]
     if missing:
@@ -287,10 +325,7 @@ def check_profiler(ctx, run, short, profiling) -> set:
                  "(worker_name=f'rank{rank}')")
         return set()
     events = trace_events(traces[0][-1])
-    # the script's own ranges, not the ones torch adds by itself (DistributedDataParallel.forward,
-    # Optimizer.step#AdamW.step, ProfilerStep#3, enumerate(DataLoader)#..., gloo:all_reduce)
-    names = {n for e in events if e.get("cat") == "user_annotation"
-             for n in [e.get("name", "")] if n and not any(c in n for c in ".#:(")}
+    names = user_ranges(events)
     steps = sorted(int(n.split("#")[1]) for n in {e.get("name", "") for e in events}
                    if n.startswith("ProfilerStep#"))
     tables = run.ranks[0].get("tables", [])
@@ -298,7 +333,11 @@ def check_profiler(ctx, run, short, profiling) -> set:
     # the window the script's own constants describe (the shipped 1, 2, 3: steps 3 to 5)
     wait, warmup, active = run.ranks[0].get("profile_window") or (1, 2, 3)
     window = list(range(wait + warmup, wait + warmup + active))
-    if steps != window:
+    if len(traces[0]) > 1:
+        rep.fail(43, f"rank 0 wrote {len(traces[0])} traces: the schedule starts its window "
+                 "again after each one; schedule(wait=..., warmup=..., active=..., repeat=1) "
+                 "records it once")
+    elif steps != window:
         rep.fail(43, f"the trace holds steps {steps or 'none'}, the window is {window[0]} to "
                  f"{window[-1]} (skip {wait}, warm up {warmup}, record {active}): call "
                  "profiler.step() once after every training step")
@@ -312,6 +351,11 @@ def check_profiler(ctx, run, short, profiling) -> set:
         return names  # a vocabulary padded down to nothing: TODO 60 says so
     if short.crashed:
         f = short.failure
+        if f and crash_todo(ctx, f) == 59:  # gpu_busy asked of the profiler the run did not make
+            rep.fail(59, f"with --profile --max-steps 1 the run stops{f.where()} with: "
+                     f"{f.message}: a run too short to profile has no profiler, so call "
+                     "gpu_busy only if profiler is not None")
+            return names
         rep.fail(43, f"with --profile --max-steps 1 the run stops{f.where() if f else ''} with: "
                  f"{f.message if f else '?'}: a run too short to profile must say so and train "
                  "(profiler_window returns None)")
@@ -322,7 +366,14 @@ def check_profiler(ctx, run, short, profiling) -> set:
     said = any("profil" in p["text"].lower() for p in short.ranks[0].get("prints", []))
     recorded = [n for f in written for e in trace_events(f)
                 for n in [e.get("name", "")] if n.startswith("ProfilerStep#")]
-    if started and not recorded:
+    given = [c["args"][3] if len(c["args"]) > 3 else c["kwargs"].get("steps_available")
+             for c in short.ranks[0].get("own_calls", {}).get("make_profiler", [])]
+    if started and not recorded and given and isinstance(given[0], int) and given[0] > 1:
+        rep.fail(43, f"with --profile --max-steps 1, make_profiler gets steps_available="
+                 f"{given[0]}, the steps of every epoch: the run stops after one, so "
+                 "steps_available = min(steps_available, args.max_steps) when --max-steps is "
+                 "given")
+    elif started and not recorded:
         rep.fail(43, "with --profile --max-steps 1 a profiler starts, but its window cannot fit "
                  "into one step and no trace is written: profiler_window returns None for such "
                  "a run, and make_profiler says it is too short to profile")
@@ -330,6 +381,19 @@ def check_profiler(ctx, run, short, profiling) -> set:
         rep.fail(43, "with --profile and one step nothing is profiled and nothing says so: "
                  "print that the run is too short to profile")
     return names
+
+
+# the ranges torch adds by itself: ProfilerStep#3, enumerate(DataLoader)#..., DDP's and the
+# optimizer's methods, the collectives of gloo and NCCL, compiled regions
+TORCH_RANGES = re.compile(r"ProfilerStep#\d+$|enumerate\(DataLoader\)#|Optimizer\.\w+#|"
+                          r"DistributedDataParallel\.|(gloo|nccl|c10d|aten|autograd|cuda)\W|"
+                          r"record_param_comms|Torch-Compiled|TorchDynamo|CompiledFunction|## ")
+
+
+def user_ranges(events) -> set:
+    """The names of the script's own ranges in a trace (record_function's)."""
+    return {n for e in events if e.get("cat") == "user_annotation"
+            for n in [e.get("name", "")] if n and not TORCH_RANGES.match(n)}
 
 
 def check_ranges(ctx, names: set, profiling: bool) -> None:
@@ -355,8 +419,10 @@ def check_ranges(ctx, names: set, profiling: bool) -> None:
 
 def check_precision(ctx, run, fast, ref) -> None:
     rep = ctx.report
-    if vocab_of(run) != vocab_of(ref):
-        return  # another model (padded without --pad-vocab): TODO 60 says so
+    if vocab_of(run) != vocab_of(ref):  # another model (padded without --pad-vocab)
+        rep.waits(45, "fp32 and bf16 are compared with one process once --pad-vocab 1 leaves "
+                  "the data's vocabulary as it is (TODO 60)")
+        return
     # two ranks without DDP train apart, whatever the precision: TODO 62 says so
     averaged = bool(run.ranks[0].get("ddp"))
     if averaged and not lists_close(run.summary["loss_history"], ref.summary["loss_history"],
@@ -447,8 +513,9 @@ def check_gpu_busy(ctx, run, profiling) -> None:
     kernels, step = value
     if not near(step, 10.0, 0.01):
         rep.fail(59, f"a profile of three 10 ms steps gives {step:g} ms per step: the CPU time "
-                 "of the 'ProfilerStep*' row of key_averages() (cpu_time_total), divided by "
-                 "the steps it counts (its count)")
+                 "of the 'ProfilerStep*' row of key_averages() (cpu_time_total: its "
+                 "self_cpu_time_total leaves out the operators the step ran), divided by the "
+                 "steps it counts (its count)")
     elif not near(kernels, 6.0, 0.01):
         rep.fail(59, f"kernels of 6 ms per step give {kernels:g} ms: sum each operator's own "
                  "device time (self_device_time_total: an operator's device_time_total counts "
@@ -490,6 +557,10 @@ def check_padding(ctx, run, default) -> None:
         rep.fail(60, f"the model's vocabulary is {padded} by default: "
                  f"padded_vocab(corpus.vocab_size, args.pad_vocab) rounds {plain} up to a "
                  f"multiple of {PAD} ({-(-plain // PAD) * PAD})")
+    elif corpus and plain > corpus and padded - plain < PAD:
+        rep.fail(60, f"--pad-vocab 1 gives a vocabulary of {plain}, the data has {corpus}: "
+                 "every vocabulary is a multiple of 1, and one that is a multiple already "
+                 "stays as it is; round up, -(-vocab_size // multiple) * multiple")
     elif padded - plain >= PAD:
         rep.fail(60, f"{plain} words padded to {padded}: round up to the next multiple, not "
                  "past it")
@@ -509,12 +580,17 @@ def check_loss_compiled(ctx, run, compiled) -> None:
     functions = [c for c in compiled.ranks[0].get("compile_calls", []) if not c["module"]]
     unasked = [c for c in run.ranks[0].get("compile_calls", []) if not c["module"]]
     used = compiled.ranks[0].get("compiled_function_calls", {})
+    # a compiled function the step calls and that returns one number: the loss, whatever its
+    # name (lm_loss, or a function of the script's own under @torch.compile)
+    losses = compiled.ranks[0].get("compiled_losses", [])
     if not functions and not unasked:
         return
     rep.attempt(61)
     if unasked:
         rep.fail(61, f"{unasked[0]['what']} is compiled without --compile: "
                  "loss_fn = torch.compile(lm_loss) if args.compile else lm_loss")
+    elif losses:
+        rep.ok(61, f"--compile compiles the loss too ({losses[0]}), and the step uses it")
     elif not any(c["what"] == "lm_loss" for c in functions):
         rep.fail(61, f"--compile compiles {', '.join(c['what'] for c in functions)}, not the "
                  "loss: loss_fn = torch.compile(lm_loss), used for the training loss")
@@ -550,7 +626,12 @@ def check_compile_mode(ctx, fast) -> None:
         return  # not started
     rep.attempt(63)
     modes = {c["what"]: c["mode"] for c in calls}
-    wrong = [what for what, mode in modes.items() if mode != COMPILE_MODE]
+    # a function compiled at --compile and never called afterwards (replaced by the same loss
+    # compiled in the mode asked for) does not count
+    used = fast.ranks[0].get("compiled_function_calls", {})
+    functions = {c["what"] for c in calls if not c["module"]}
+    wrong = [what for what, mode in modes.items() if mode != COMPILE_MODE
+             and (what not in functions or used.get(what))]
     if not calls:
         rep.fail(63, "--compile compiled nothing: compile_blocks(model, args.compile_mode) with "
                  "--compile")
@@ -630,9 +711,7 @@ def check_on_a_gpu(ctx, run, gpu, profiling) -> None:
                    if not any(any(w in n for w in words) for n in nvtx)]
         traces = sorted((gpu.out / "profile").glob("rank0.*.pt.trace.json")) if (
             gpu.out / "profile").is_dir() else []
-        names = {n for t in traces[-1:] for e in trace_events(t) if e.get("cat") ==
-                 "user_annotation" for n in [e.get("name", "")]
-                 if n and not any(c in n for c in ".#:(")}  # the script's own, as in TODO 43
+        names = {n for t in traces[-1:] for n in user_ranges(trace_events(t))}
         if not nvtx:
             rep.fail(44, "on a GPU no NVTX range is opened: Nsight Systems would show none; in "
                      "annotate(), also torch.cuda.nvtx.range(name) when device.type == 'cuda'")
