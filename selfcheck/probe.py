@@ -700,6 +700,11 @@ class Probe:
                     calls.append(entry)
                 result = _original(*a, **k)
                 entry["returned"] = True
+                if _name == "apply_tp" and hasattr(result, "named_parameters"):
+                    try:  # the split as the plan left it: a later fully_shard that fails midway
+                        entry["plan"] = describe_tp(result)  # changes parameters too
+                    except Exception:  # noqa: BLE001 - the end-of-run description remains
+                        pass
                 return result
             setattr(module, name, functools.wraps(original)(wrapper))
 

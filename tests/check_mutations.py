@@ -365,6 +365,11 @@ MISTAKES = [
     ("tp", TP, "samplers count processes", 27,
      [("DistributedSampler(train_ds, num_replicas=dp_size, rank=dp_rank,",
        "DistributedSampler(train_ds, num_replicas=world_size, rank=rank,")]),
+    ("tp", TP, "FSDP over the whole 2-D mesh", 29,
+     [('fully_shard(block, mesh=mesh["dp"])', "fully_shard(block, mesh=mesh)"),
+      ('fully_shard(model, mesh=mesh["dp"])', "fully_shard(model, mesh=mesh)")]),
+    ("tp", TP, "a CUDA mesh written in", 26,
+     [("mesh = init_device_mesh(device.type,", 'mesh = init_device_mesh("cuda",')]),
     ("tp", TP, "the sampler's rank from the processes, its count from the replicas", 27,
      [("DistributedSampler(train_ds, num_replicas=dp_size, rank=dp_rank,",
        "DistributedSampler(train_ds, num_replicas=dp_size, rank=rank,")]),
@@ -985,6 +990,8 @@ MISTAKES = [
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
+    "FSDP over the whole 2-D mesh": ("mesh=mesh['dp']",),
+    "a CUDA mesh written in": ("init_device_mesh(device.type",),
     "a profiler schedule without repeat=1 (a trace every cycle)": ("repeat=1",),
     "traces not named after their rank": ("worker_name=f'rank{rank}'",),
     "the profiler's window from every epoch's steps, --max-steps left out": (
@@ -1111,6 +1118,7 @@ ONLY_FIXED = {
     "every stage keeps every block": {34},
     "a split that loses a layer": {34},
     "samplers count processes": {27},
+    "FSDP over the whole 2-D mesh": {29},
     "a vocabulary that is a multiple padded by one more": {60},
     "gpu_busy whenever --profile is given (a short run has no profiler)": {59},
     "resume_checkpoint looks in OUT_DIR, the checkpoints are in OUT_DIR/checkpoints": {21},

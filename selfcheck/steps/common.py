@@ -143,6 +143,13 @@ KNOWN_CAUSES = [
      "fully_shard met parameters already split on another mesh: shard every block before the "
      "model (fully_shard(model, ...) last), all with the same mesh (with TP: mesh=mesh['dp'] "
      "in every fully_shard call)"),
+    (r"Cannot concatenate overlapping meshes",
+     "fully_shard got a mesh that holds the tp dimension as well, where TP has split the "
+     "parameters already: shard over the data-parallel dimension only, mesh=mesh['dp'] in "
+     "every fully_shard call"),
+    (r"has no attribute '_cuda_setDevice'|Found no NVIDIA driver|no CUDA GPUs are available",
+     "a CUDA device asked for where there is none: the device type of the run, "
+     "init_device_mesh(device.type, ...), and tensors on device, not 'cuda' written in"),
     (r"size mismatch|shape mismatch|mat1 and mat2 shapes cannot be multiplied|must match the "
      r"size of tensor|must have same reduction dim",
      "tensor shapes do not fit: a layer split or kept where it should not be"),

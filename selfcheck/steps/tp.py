@@ -329,7 +329,8 @@ def check_plan(ctx, run) -> None:
         # another rank stopped elsewhere (a sampler's rank) while this one waited inside the
         # plan: the model is split only in part, and the crash names its own TODO
         return
-    desc = r0.get("tp") or {}
+    # the split right after apply_tp returned, else at the end of the run
+    desc = (applied[0].get("plan") if applied else None) or r0.get("tp") or {}
     wrong = desc.get("wrong", [])
     outputs = r0.get("outputs", [])
     local = next((o for o in outputs if o["type"] != "DTensor" and o["vocab"]
