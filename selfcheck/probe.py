@@ -1123,10 +1123,29 @@ def collectives_lesson(probe, module) -> None:
             if not self._entry["waited"] and not failed and not probe.record.get("error"):
                 self._entry["dropped"] = True
 
+    def note_peer_outside(name, a, k):
+        """A send to (or a receive from) a rank that does not exist, rank + 1 on the last rank:
+        noted before the call, which then waits until the store times out (or gloo ends the
+        process: the note is written to a file of its own at once)."""
+        peer = a[1] if len(a) > 1 else next((k[key] for key in ("dst", "src", "group_dst",
+                                                                  "group_src")
+                                              if k.get(key) is not None), None)
+        group = k.get("group") or (a[2] if len(a) > 2 else None)
+        if not isinstance(peer, int) or not dist.is_initialized():
+            return
+        size = dist.get_world_size(group)
+        where = probe.script_line(3)
+        if not 0 <= peer < size and where is not None:
+            outside = probe.record.setdefault("peers_outside", [])
+            outside.append({"name": name, "peer": peer, "rank": dist.get_rank(),
+                            "world_size": size, "func": where[0], "line": where[1]})
+            (probe.dump_dir / f"peers{probe.rank}.json").write_text(json.dumps(outside))
+
     for name in ("isend", "irecv"):
         original = getattr(c10d, name)
 
         def p2p(*a, _name=name, _original=original, **k):
+            note_peer_outside(_name, a, k)
             work = _original(*a, **k)
             where = probe.script_line(2)
             if work is None or where is None or len(requests) >= 200:
@@ -1209,17 +1228,22 @@ def lesson_ring(module, out: dict, save=lambda: None) -> None:
                 "complete": complete(x.tensor_split(n)),
                 "complete_in_list": complete(chunks) if len(chunks) == n else [],
                 "expected": (rank + 1) % n,
-                "changed": not torch.equal(x, lesson_value(rank, i).float())}
+                "changed": not torch.equal(x, lesson_value(rank, i).float()),
+                # the chunk this rank should complete, and its sum (a mean shows as sum / n)
+                "held": x.tensor_split(n)[(rank + 1) % n].tolist(),
+                "sum": total.tensor_split(n)[(rank + 1) % n].tolist()}
         # 3. the all-gather, from the state a right reduce-scatter leaves
         if callable(getattr(module, "ring_all_gather", None)):
             x = torch.full((length,), -1.0)
             mine = (rank + 1) % n
             x.tensor_split(n)[mine].copy_(total.tensor_split(n)[mine])
             out["running"] = "all_gather"
-            module.ring_all_gather(list(x.tensor_split(n)))
+            chunks = list(x.tensor_split(n))
+            module.ring_all_gather(chunks)
             del out["running"]
             save()
             out["all_gather"] = {"complete": complete(x.tensor_split(n)),
+                                 "complete_in_list": complete(chunks) if len(chunks) == n else [],
                                  "wrong": int((x != total).sum())}
     finally:
         if own is not None:

@@ -55,6 +55,7 @@ def check(ctx) -> None:
     # what the probe found out before a crash comes first (gloo aborts a rank that receives
     # a message of the wrong size: its record is lost, the others' are kept)
     lessons = [r["lesson"] for r in run.ranks if r and r.get("lesson")]
+    check_peers(ctx, run)
     if lessons:
         check_fit(ctx, lessons[0].get("fit"))
         check_noisy_fit(ctx, lessons[0].get("fit_noisy"))
@@ -68,7 +69,9 @@ def check(ctx) -> None:
     if run.crashed:
         failure = run.failure
         in_ring = failure is not None and failure.func in RING_PARTS
-        if check_steps(ctx, run):
+        if rep.failed(49) and (in_ring or failure is None or failure.waiting):
+            pass  # every part sends with send_right_receive_left: 50 and 51 wait for TODO 49
+        elif check_steps(ctx, run):
             pass
         elif failure is not None and check_sizes(ctx, run, failure):
             pass
@@ -101,6 +104,37 @@ def check_requests(ctx, run) -> None:
                          "the other rank waits forever")
                 rep.attempt(todo)
             return
+
+
+def check_peers(ctx, run) -> None:
+    """A send to (or a receive from) a rank that does not exist: rank + 1 on the last rank,
+    rank - 1 on rank 0, without % n. gloo then waits for it until its store times out, or ends
+    the process; either way the crash that follows is this mistake's."""
+    rep = ctx.report
+    outside = []
+    for rank in range(RING.world):  # written at once: gloo may end the process in the call
+        f = run.dir / "dump" / f"peers{rank}.json"
+        try:
+            outside += json.loads(f.read_text()) if f.is_file() else []
+        except ValueError:
+            continue
+    outside.sort(key=lambda e: (e["name"] != "isend", e["rank"]))
+    if not outside:
+        return
+    e = outside[0]
+    todo = RING_PARTS.get(e["func"]) or ctx.todo_of(e["line"])
+    if todo not in rep.names or rep.failed(todo):
+        return
+
+    def said(p):
+        verb = "sends to" if p["name"] == "isend" else "receives from"
+        return f"rank {p['rank']} {verb} rank {p['peer']} (line {p['line']})"
+    other = next((o for o in outside if o["name"] != e["name"]), None)
+    rep.fail(todo, f"on {e['world_size']} ranks, {said(e)}"
+             + (f" and {said(other)}, which do not exist" if other else ", which does not exist")
+             + ": the ranks are 0 to n - 1 and the ring closes, so wrap "
+             "around with % n: right = (rank + 1) % n, left = (rank - 1) % n")
+    rep.attempt(todo)
 
 
 # the parts the probe runs alone, in its order: (its name for it, the function, the TODO)
@@ -226,6 +260,20 @@ def check_ring(ctx, run, rings: dict) -> None:
                        "`recv` from (rank - 1) % n, then wait() for both requests")
             rep.fail(49, f"on {n} ranks, rank {bad} should receive rank {(bad - 1) % n}'s "
                      f"tensor ({e['left']:g}), but {why}")
+    # a part that makes the same number of steps on every rank, but not n - 1: with n its result
+    # is right all the same (reduce-scatter: the extra step adds into a chunk the all-gather
+    # overwrites; all-gather: it copies a complete chunk over itself), one step slower
+    for part, function, todo in PROBE_PARTS:
+        made = {r.get("steps", {}).get(part) for r in rings.values() if r.get(part)}
+        if len(rings) == n and len(made) == 1 and None not in made and not rep.failed(todo) \
+                and made != {n - 1}:
+            steps = made.pop()
+            rep.fail(todo, f"{function} makes {steps} send/receive steps on each of {n} ranks: a "
+                     f"ring needs n - 1 = {n - 1}, range(n - 1): "
+                     + ("after n - 1 steps each chunk has passed every rank once; each step more "
+                        "has every rank send a chunk too many, a step's time for nothing"
+                        if steps > n - 1 else "with fewer, a chunk has not passed every rank"))
+            rep.attempt(todo)
     # TODO 50: the reduce-scatter (with a correct send/receive step)
     scatter = {rank: r["reduce_scatter"] for rank, r in rings.items() if r.get("reduce_scatter")}
     if len(scatter) == n and not rep.failed(50):
@@ -235,9 +283,15 @@ def check_ring(ctx, run, rings: dict) -> None:
                    "chunks of unequal sizes)")
         else:
             r, s = wrong[0]
+            held, total = s.get("held") or [], s.get("sum") or []
             if s["expected"] in s["complete_in_list"]:
                 why = ("the sum is only in the list: chunks[i] = chunks[i] + received makes a new "
                        "tensor; add in place, chunks[i] += received (the chunks are views)")
+            elif held and len(held) == len(total) and all(
+                    near(h, t / n, 1e-6, 1e-9) for h, t in zip(held, total, strict=True)):
+                why = (f"it holds the sum divided by n = {n}, the mean: an all-reduce sums "
+                       "(dist.all_reduce's default, ReduceOp.SUM), do not divide; averaging is "
+                       "the caller's (DDP divides the gradients)")
             elif not s["changed"]:
                 why = ("the tensor is unchanged: n - 1 steps, each sending chunk (rank - step) % n "
                        "and adding the received one to chunk (rank - step - 1) % n")
@@ -260,9 +314,15 @@ def check_ring(ctx, run, rings: dict) -> None:
         else:
             r, g = wrong[0]
             missing = sorted(set(range(n)) - set(g["complete"]))
-            rep.fail(51, f"rank {r} ends without the complete chunk(s) {missing}: n - 1 steps, in "
-                     "step s send chunk (rank + 1 - s) % n and receive into chunk (rank - s) % n "
-                     "(nothing to add)")
+            if set(range(n)) <= set(g.get("complete_in_list", [])):
+                rep.fail(51, f"rank {r} ends without the complete chunk(s) {missing} in the "
+                         "tensor, they are only in the list: chunks[into] = received replaces "
+                         "the list's entry, and the chunks are views of the tensor: receive "
+                         "straight into chunks[into] (or chunks[into].copy_(received))")
+            else:
+                rep.fail(51, f"rank {r} ends without the complete chunk(s) {missing}: n - 1 "
+                         "steps, in step s send chunk (rank + 1 - s) % n and receive into chunk "
+                         "(rank - s) % n (nothing to add)")
     # the whole ring, with the script's own parts: its verdict belongs to the parts
     whole = [r["all_reduce"] for r in rings.values() if r.get("all_reduce")]
     if any(w["wrong"] for w in whole) and all(
@@ -277,6 +337,16 @@ def check_ring(ctx, run, rings: dict) -> None:
 def returned(entry, todo, rep, what) -> object | None:
     if entry is None:
         rep.fail(todo, f"{what} is missing from the script")
+        return None
+    if "error" in entry and "process group has not been initialized" in entry["error"]:
+        # called where no process group exists: it asked torch.distributed what it was given
+        rep.fail(todo, f"{what} asks torch.distributed (dist.get_world_size()) and raised "
+                 "'Default process group has not been initialized': it works on its arguments "
+                 "alone; " + ("use its world_size argument, the ranks the times were measured on "
+                              "(with --bench-json another run's, on another number of ranks)"
+                              if todo == 52 else
+                              "use its world_size argument, the ranks the prediction is for"
+                              if todo == 53 else "read everything from the trace"))
         return None
     if "error" in entry:
         rep.fail(todo, f"{what} raised {entry['error']}")
@@ -302,6 +372,10 @@ def check_fit(ctx, entry) -> None:
                  "bandwidth)")
         return
     algbw = want_busbw * n / (2 * (n - 1))
+    if near(latency, want_busbw, 1e-3, 0) and near(busbw, want_latency, 1e-3, 1e-9):
+        rep.fail(52, f"{case}: fit_alpha_beta returned ({latency:.4g}, {busbw:.4g}), the bus "
+                 "bandwidth first: the two are swapped, return (latency, busbw)")
+        return
     problems = []
     if not near(latency, want_latency, 1e-3, 1e-9):
         if near(latency, want_latency * 1e6, 1e-3):
@@ -314,8 +388,9 @@ def check_fit(ctx, entry) -> None:
     if not near(busbw, want_busbw, 1e-3, 0):
         ratio = busbw / want_busbw if want_busbw else 0
         if near(busbw, algbw, 1e-3, 0):
-            problems.append("that is the algorithm bandwidth 1 / slope; the bus bandwidth is "
-                            "that times 2 (n - 1) / n")
+            problems.append("the bus bandwidth comes out as the algorithm bandwidth 1 / slope, a "
+                            "factor of 1 (what 2 * (n - 1) // n gives: // rounds down): multiply "
+                            "1 / slope by 2 (n - 1) / n, with /")
         elif near(ratio, 0.5, 1e-3, 0):
             problems.append("(n - 1) / n is the factor of all-gather and reduce-scatter; an "
                             "all-reduce moves twice that: 2 (n - 1) / n")
