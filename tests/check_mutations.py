@@ -183,6 +183,8 @@ MISTAKES = [
      [("$((20000 + SLURM_JOB_ID % 10000))", "$((20000 + SLURM_JOB_ID))")]),
     ("sbatch", SBATCH, "the endpoint without the port", 14,
      [('--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_endpoint="$MASTER_ADDR"')]),
+    ("sbatch", SBATCH, "bash -c's $0 left out (the script taken as $0)", 15,
+     [("\"$@\"' torchrun \"$SCRIPT\"", "\"$@\"' \"$SCRIPT\"")]),
     ("sbatch", SBATCH, "srun without --cpus-per-task", 15,
      [('srun --kill-on-bad-exit=1 --cpus-per-task="$SLURM_CPUS_PER_TASK" bash',
        "srun --kill-on-bad-exit=1 bash")]),
@@ -1015,6 +1017,7 @@ MISTAKES = [
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
+    "bash -c's $0 left out (the script taken as $0)": ("as $0", "torchrun \"$SCRIPT\""),
     "FSDP over the whole 2-D mesh": ("mesh=mesh['dp']",),
     "a CUDA mesh written in": ("init_device_mesh(device.type",),
     "a profiler schedule without repeat=1 (a trace every cycle)": ("repeat=1",),

@@ -191,7 +191,13 @@ def check_geometry(ctx, job, one) -> None:
             problems.append(f"torchrun has --nnodes={nnodes} in a job of {n_nodes} nodes: "
                             "--nnodes=\"$SLURM_JOB_NUM_NODES\"")
         script_args = first["args"]
-        if not any(a.endswith(SCRIPT) or a == "$SCRIPT" for a in script_args):
+        if not any(a.endswith(SCRIPT) or a == "$SCRIPT" for a in script_args) and \
+                "--out-dir" in script_args:  # the script's arguments came, the script did not
+            problems.append("torchrun gets the script's arguments but not the script: bash -c "
+                            "takes the first word after its command as $0, not as part of "
+                            "\"$@\"; put a name there, bash -c '...' torchrun \"$SCRIPT\" "
+                            "\"${ARGS[@]}\"")
+        elif not any(a.endswith(SCRIPT) or a == "$SCRIPT" for a in script_args):
             problems.append("torchrun does not get the training script: end with "
                             "\"$SCRIPT\" \"${ARGS[@]}\"")
         elif script_args[-2:] != ["--epochs", "1"]:
