@@ -788,6 +788,10 @@ class Probe:
         record["checkpoint_impls"] = sorted({impl.name for b in m.layers.values()
                                              if (impl := getattr(b, "checkpoint_impl", None))
                                              is not None and hasattr(impl, "name")})
+        # what each wrapper's checkpoint_fn runs with (a checkpoint_fn of one's own can be
+        # reentrant whatever checkpoint_impl says; preserve_rng_state=False changes dropout)
+        record["checkpoint_fns"] = [checkpoint_fn_options(b) for b in m.layers.values()
+                                    if callable(getattr(b, "checkpoint_fn", None))]
         record["parts"] = {name: getattr(m, name, None) is not None
                            for name in ("tok_emb", "pos_emb", "norm", "output")}
 
@@ -837,11 +841,29 @@ def module_globals(module) -> dict:
     return found
 
 
+def checkpoint_fn_options(wrapper) -> dict:
+    """{"reentrant", "preserve_rng_state"} of a checkpoint_wrapper's checkpoint_fn, as they take
+    effect: torch.utils.checkpoint.checkpoint without use_reentrant is reentrant (None: another
+    function, unknown)."""
+    import torch.utils.checkpoint
+    fn = wrapper.checkpoint_fn
+    keywords = getattr(fn, "keywords", None) or {}
+    plain = getattr(fn, "func", fn) is torch.utils.checkpoint.checkpoint
+    return {"reentrant": keywords.get("use_reentrant") in (None, True) if plain else None,
+            "preserve_rng_state": keywords.get("preserve_rng_state", True)}
+
+
+def unwrapped(block):
+    """The block inside a checkpoint_wrapper (fully_shard may have been given either)."""
+    return getattr(block, "_checkpoint_wrapped_module", block)
+
+
 def describe_fsdp(m):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    if not isinstance(m, FSDPModule) and not any(isinstance(b, FSDPModule)
-                                                 for b in m.layers.values()):
+    # a block's unit may be the block inside its checkpoint_wrapper
+    layers = [b if isinstance(b, FSDPModule) else unwrapped(b) for b in m.layers.values()]
+    if not isinstance(m, FSDPModule) and not any(isinstance(b, FSDPModule) for b in layers):
         return None
     plain = [n for n, p in m.named_parameters() if not isinstance(p, DTensor)]
 
@@ -864,14 +886,14 @@ def describe_fsdp(m):
                     for d in (policy.param_dtype, policy.reduce_dtype, policy.output_dtype)]
         except Exception:  # noqa: BLE001
             return None
-    blocks = [unit(b) if isinstance(b, FSDPModule) else (None, None) for b in m.layers.values()]
+    blocks = [unit(b) if isinstance(b, FSDPModule) else (None, None) for b in layers]
     root = unit(m) if isinstance(m, FSDPModule) else (None, None)
-    return {"blocks": [isinstance(b, FSDPModule) for b in m.layers.values()],
+    return {"blocks": [isinstance(b, FSDPModule) for b in layers],
             "root": isinstance(m, FSDPModule), "all_dtensor": not plain, "plain": plain,
             "reshard_after_forward": [flag for flag, _ in blocks],
             "offload": [policy for _, policy in blocks], "root_offload": root[1],
             "precision": [precision(b) if isinstance(b, FSDPModule) else None
-                          for b in m.layers.values()],
+                          for b in layers],
             "root_precision": precision(m) if isinstance(m, FSDPModule) else None}
 
 

@@ -1012,6 +1012,71 @@ MISTAKES = [
      [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
        "with contextlib.nullcontext() if last or not isinstance(model, DDP) else "
        "no_gradient_sync(model):")]),
+    ("memory", MEM, "the logged loss undivided, backward on the divided loss", 58,
+     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                (loss / args.grad_accum).backward()\n")]),
+    ("memory", MEM, "ZeroRedundancyOptimizer for the FSDP layouts too", 57,
+     [('    if args.layout == "zero1":\n        optimizer = ZeroRedundancyOptimizer(',
+       '    if args.layout != "ddp":\n        optimizer = ZeroRedundancyOptimizer(')]),
+    ("memory", MEM, "offload_wrapper instead of checkpoint_wrapper", 55,
+     [("import checkpoint_wrapper\n", "import checkpoint_wrapper, offload_wrapper\n"),
+      ("        model.layers[name] = checkpoint_wrapper(model.layers[name])",
+       "        model.layers[name] = offload_wrapper(model.layers[name])")]),
+    ("memory", MEM, "the ModuleDict of blocks checkpoint-wrapped as one", 55,
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n",
+       "    model.layers = checkpoint_wrapper(model.layers)\n")]),
+    ("memory", MEM, "apply_activation_checkpointing returns nothing", 55,
+     [("        model.layers[name] = checkpoint_wrapper(model.layers[name])\n    return model\n",
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n")]),
+    ("memory", MEM, "apply_fsdp returns nothing", 56,
+     [('if k != "reshard_after_forward"})\n    return model\n',
+       'if k != "reshard_after_forward"})\n')]),
+    ("memory", MEM, "the blocks' names checkpoint-wrapped", 55,
+     [("    for name in list(model.layers):\n"
+       "        model.layers[name] = checkpoint_wrapper(model.layers[name])\n",
+       "    for name in model.layers:\n"
+       "        model.layers[name] = checkpoint_wrapper(name)\n")]),
+    ("memory", MEM, "torch.utils.checkpoint.checkpoint as checkpoint_fn (reentrant)", 55,
+     [("checkpoint_wrapper(model.layers[name])",
+       "checkpoint_wrapper(model.layers[name], checkpoint_fn=torch.utils.checkpoint.checkpoint)"),
+      ("import contextlib\n", "import contextlib\nimport torch.utils.checkpoint\n")]),
+    ("memory", MEM, "the micro-batches' losses summed, one backward per step", 58,
+     [("            with contextlib.nullcontext() if last else no_gradient_sync(model):\n"
+       "                with autocast(args.precision, device):\n"
+       "                    logits = model(x)\n"
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "            with autocast(args.precision, device):\n"
+       "                logits = model(x)\n"
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "            total = loss if micro % args.grad_accum == 1 or args.grad_accum == 1 "
+       "else total + loss\n"
+       "            if last:\n"
+       "                total.backward()\n")]),
+    ("memory", MEM, "the step's last micro-batch counted from the start (syncs once)", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if micro == args.grad_accum else no_gradient_sync(model):")]),
+    ("memory", MEM, "the loss divided by the ranks instead of the micro-batches", 58,
+     [("y.flatten()) / args.grad_accum", "y.flatten()) / world_size")]),
+    ("memory", MEM, "ZeroRedundancyOptimizer overlapping with DDP", 57,
+     [("optimizer_class=torch.optim.AdamW,\n                                            **adamw)",
+       "optimizer_class=torch.optim.AdamW,\n"
+       "                                            overlap_with_ddp=True, **adamw)")]),
+    ("memory", MEM, "FSDP's gradient sync switched off and never on again", 58,
+     [("    model.set_requires_gradient_sync(False)\n    try:\n        yield\n    finally:\n"
+       "        model.set_requires_gradient_sync(True)\n",
+       "    model.set_requires_gradient_sync(False)\n    yield\n")]),
+    ("memory", MEM, "checkpoint_wrapper without the RNG state (dropout masks differ in recompute)",
+     55, [("checkpoint_wrapper(model.layers[name])",
+           "checkpoint_wrapper(model.layers[name], preserve_rng_state=False)")]),
+    ("memory", MEM, "the backward outside no_gradient_sync", 58,
+     [("                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "                loss.backward()\n",
+       "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
+       "            loss.backward()\n")]),
 ]
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
@@ -1147,6 +1212,30 @@ MESSAGES = {
     "local_params from the DTensors' global sizes": ("to_local().numel()",),
     "the blocks sharded without the dp mesh": ("mesh=mesh['dp']",),
     "the loss broadcast on the last stage only": ("different collectives",),
+    "the logged loss undivided, backward on the divided loss": ("gradients are right",
+                                                                 "log the divided loss"),
+    "ZeroRedundancyOptimizer for the FSDP layouts too": ("--layout zero1 only",
+                                                         "torch.optim.AdamW"),
+    "offload_wrapper instead of checkpoint_wrapper": ("offload_wrapper", "host memory",
+                                                      "checkpoint_wrapper(block)"),
+    "the ModuleDict of blocks checkpoint-wrapped as one": ("each block of model.layers",
+                                                           "not the ModuleDict"),
+    "apply_activation_checkpointing returns nothing": ("return model",),
+    "apply_fsdp returns nothing": ("return model",),
+    "the blocks' names checkpoint-wrapped": ("checkpoint_wrapper(model.layers[name])",),
+    "torch.utils.checkpoint.checkpoint as checkpoint_fn (reentrant)": ("checkpoint_fn",
+                                                                       "reentrant"),
+    "the micro-batches' losses summed, one backward per step": ("backward()",
+                                                                "each micro-batch"),
+    "the step's last micro-batch counted from the start (syncs once)": ("fewer",
+                                                                        "nullcontext() if last"),
+    "the loss divided by the ranks instead of the micro-batches": ("args.grad_accum",
+                                                                   "not by the ranks"),
+    "ZeroRedundancyOptimizer overlapping with DDP": ("overlap_with_ddp",),
+    "FSDP's gradient sync switched off and never on again": ("set_requires_gradient_sync(True)",),
+    "the backward outside no_gradient_sync": ("backward too",),
+    "checkpoint_wrapper without the RNG state (dropout masks differ in recompute)": (
+        "preserve_rng_state",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
@@ -1193,6 +1282,20 @@ ONLY_FIXED = {
     "the embedding's input not replicated": {24},
     "the mesh's names the other way round": {26},
     "dp_group from the tp dim": {26},
+    # a send/receive step that breaks (a request dropped unwaited, a neighbour that does not
+    # exist): the hang that follows, in the reduce-scatter, is TODO 49's
+    "only the last request of batch_isend_irecv waited for": {49},
+    "the neighbours without % n (rank n - 1 sends to rank n)": {49},
+    # the memory step: a mistake of one option, seen in every run with that option
+    "ZeroRedundancyOptimizer for the FSDP layouts too": {57},
+    "the ModuleDict of blocks checkpoint-wrapped as one": {55},
+    "apply_activation_checkpointing returns nothing": {55},
+    "apply_fsdp returns nothing": {56},
+    "the blocks' names checkpoint-wrapped": {55},
+    "the micro-batches' losses summed, one backward per step": {58},
+    "the step's last micro-batch counted from the start (syncs once)": {58},
+    "the loss divided by the ranks instead of the micro-batches": {58},
+    "the logged loss undivided, backward on the divided loss": {58},
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -1411,6 +1514,11 @@ CORRECT = [
     ("memory", MEM, "the FSDP options written out per layout",
      [('    options = dict(reshard_after_forward=layout != "zero2")\n',
        '    options = {"reshard_after_forward": layout in ("zero3", "offload")}\n')]),
+    ("memory", MEM, "every Block module sharded, inside its checkpoint_wrapper too",
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n",
+       "    from model.transformer import Block\n"
+       "    for block in [m for m in model.modules() if isinstance(m, Block)]:\n"
+       "        fully_shard(block, **options)\n")]),
 ]
 
 # Job files without TODOs (collectives.sbatch, preflight.sbatch): a mistake is named on the job

@@ -20,6 +20,7 @@ GPU (selfcheck/standin.py), where the offload policy pins host memory.
 
 from __future__ import annotations
 
+import re
 import types
 
 from selfcheck import standin
@@ -36,6 +37,7 @@ WHOLE_BATCH = 8  # per optimizer step, over both ranks and all micro-batches
 COUNT = {"CHECK_COUNT_ALLREDUCES": "1"}
 OPTIONAL = {"--grad-accum": 1, "--layout": 1, "--activation-checkpointing": 0}
 LAYOUT_TODO = {"ddp": None, "zero1": ZERO1, "zero2": FSDP, "zero3": FSDP, "offload": FSDP}
+FSDP_LAYOUTS = ("zero2", "zero3", "offload")
 # (layout, micro-batches per step, activation checkpointing): each layout with accumulation and
 # with checkpointing, and every pair of the three options at least once
 COMBINATIONS = [("ddp", 1, False), ("ddp", 2, True),
@@ -85,6 +87,7 @@ def check(ctx) -> None:
             finished[key] = run
     # what each run built and measured first: where it breaks a promise, that is the cause of
     # any difference in training too
+    check_too_few_syncs(ctx, finished, ref)
     for key, run in finished.items():
         check_promises(ctx, key, run, ref, finished)
     trained = {key: same_training(ctx, run, ref, key) for key, run in finished.items()}
@@ -113,6 +116,11 @@ def report_run_crash(ctx, key, run, runs) -> None:
         cause = ("FSDP2's modules have no no_sync(): no_gradient_sync(model) calls DDP's "
                  "no_sync() or FSDP2's set_requires_gradient_sync(False), whichever the model is")
         todo = ACCUMULATION
+    elif (option := crashing_option(runs)) is not None:
+        # the lines that crash run fine without this option: the option's code is the cause
+        todo, cause = option, option_crash_cause(option, message) or cause
+    if layout in FSDP_LAYOUTS and zero_optimizers(run):
+        todo, cause = ZERO1, ZERO_WITH_FSDP
     if key == ON_A_GPU and standin.beyond_the_standin(f):
         rep.note(f"(the check's stand-in GPU could not follow line {f.line}: {f.message}; the "
                  f"{flags(key)} run is not judged)")
@@ -122,6 +130,50 @@ def report_run_crash(ctx, key, run, runs) -> None:
         return  # said already, for another run
     report_crash(ctx, run, todo=target, cause=cause, prefix=f"with {flags(key)}, ")
     rep.note(f"(full output of the {flags(key)} run: {run.dir / 'output.txt'})")
+
+
+def option_todos(key) -> set[int]:
+    """The TODOs whose code a run with these options runs (ddp without options: none)."""
+    layout, accum, ckpt = key
+    return ({LAYOUT_TODO[layout]} - {None}) | ({ACCUMULATION} if accum > 1 else set()) | \
+        ({CHECKPOINTING} if ckpt else set())
+
+
+def crashing_option(runs: dict) -> int | None:
+    """The TODO of the one option that every run that crashed uses and every run that finished
+    goes without (every --activation-checkpointing run, and only those: TODO 55), else None.
+    A crash of the stand-in GPU's own is left out: it says nothing about the options."""
+    judged = {key: run for key, run in runs.items() if not (
+        key == ON_A_GPU and run.crashed and standin.beyond_the_standin(run.failure))}
+    crashed = {key for key, run in judged.items() if run.crashed}
+    return next((todo for todo in TODOS
+                 if crashed == {key for key in judged if todo in option_todos(key)}), None)
+
+
+FUNCTION_OF = {CHECKPOINTING: "apply_activation_checkpointing", FSDP: "apply_fsdp"}
+# (pattern in the error, what to change) for crashes of the checkpointing runs alone
+CHECKPOINTING_CRASHES = [
+    (r"'str' object is not callable|'str' object has no attribute",
+     "iterating model.layers gives the blocks' names: checkpoint_wrapper(model.layers[name]), "
+     "the block, not its name"),
+    (r"'\w*CheckpointWrapper' (has no len|object is not (iterable|subscriptable)|object has no "
+     r"attribute '(values|items|keys)')",
+     "model.layers is a ModuleDict, which the script and the course's helpers walk block by "
+     "block: wrap each block of model.layers, not the ModuleDict (for name in "
+     "list(model.layers): model.layers[name] = checkpoint_wrapper(model.layers[name]))"),
+]
+
+
+def option_crash_cause(todo: int, message: str) -> str | None:
+    """What to change for a crash that only the runs of one option have."""
+    function = FUNCTION_OF.get(todo)
+    if function and "'NoneType' object" in message:
+        return (f"{function} must return the model (return model at its end): the script goes "
+                f"on with what it returns, model = {function}(model, ...)")
+    if todo == CHECKPOINTING:
+        return next((cause for pattern, cause in CHECKPOINTING_CRASHES
+                     if re.search(pattern, message)), None)
+    return None
 
 
 # ------------------------------------------------------------------------------ training
@@ -208,11 +260,43 @@ def scaled_everywhere(ctx, trained: dict, runs: dict, ref) -> bool:
     return True
 
 
+def divided_by_a_number(ctx, trained: dict, runs: dict, ref) -> bool:
+    """Every run's loss is (its micro-batches) / (one number) times the single process's: the
+    loss is divided by that number where args.grad_accum belongs (by world_size, say), which
+    trains right only where the two are equal. True if reported (under the TODO that divides)."""
+    theirs = ref.summary["loss_history"]
+    if not theirs or all(good is True for good in trained.values()) or \
+            len({key[1] for key in trained}) < 2:
+        return False
+    divisors = [key[1] * theirs[0] / runs[key].summary["loss_history"][0] for key in trained
+                if runs[key].summary["loss_history"]]
+    if len(divisors) < len(trained) or not all(near(d, divisors[0], 0.01) for d in divisors) or \
+            near(divisors[0], 1.0, 0.01):
+        return False
+    divisor, world = divisors[0], next(iter(runs.values())).geometry.world
+    instead = (f"not by the ranks: DDP and FSDP average the gradients over the {world} ranks "
+               "themselves" if near(divisor, world, 0.01) else "by nothing else")
+    fail(ctx.report, ACCUMULATION, f"every run divides its loss by {divisor:.3g}, whatever "
+         f"--grad-accum (without accumulation the loss is {1 / divisor:.3g} x the single "
+         f"process's from step 1 on): divide each micro-batch's loss by args.grad_accum, "
+         f"{instead}")
+    return True
+
+
+def same_gradients(run, ref) -> bool:
+    mine, theirs = grad_norms(run), grad_norms(ref)
+    return bool(mine) and first_difference(mine, theirs, 1e-4) is None
+
+
 def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
     """A run that trains differently: its TODO is that of an option no run that trains right
-    uses (with accumulation 2, a loss twice the whole batch's is the undivided loss)."""
+    uses (with accumulation 2, a loss twice the whole batch's is the undivided loss). Where a
+    TODO has a FIX already (a promise broken, a run that crashed), that is the cause: the
+    other TODOs' losses wait for it."""
     rep = ctx.report
-    if scaled_everywhere(ctx, trained, runs, ref):
+    earlier = [n for n in sorted(TODOS) if rep.failed(n)]
+    if not earlier and (scaled_everywhere(ctx, trained, runs, ref)
+                        or divided_by_a_number(ctx, trained, runs, ref)):
         return
     cleared = {f for key, good in trained.items() if good is True for f in features(key)}
     for key, what in trained.items():
@@ -220,7 +304,14 @@ def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
             continue
         run = runs[key]
         mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
-        if key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], 2.0, 0.02):
+        if key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], key[1], 0.02) and \
+                same_gradients(run, ref):
+            todo, what = ACCUMULATION, (f"with {flags(key)} the gradients are right, but every "
+                                        f"step's logged loss is {key[1]} x the whole batch's: log "
+                                        "the divided loss, the one backward() gets (loss = "
+                                        "F.cross_entropy(...) / args.grad_accum, then "
+                                        "loss.backward())")
+        elif key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], 2.0, 0.02):
             todo, what = ACCUMULATION, (f"with {flags(key)} every step's loss is twice the whole "
                                         "batch's: divide each micro-batch's loss by "
                                         "args.grad_accum before backward()")
@@ -231,7 +322,12 @@ def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
             order = ("accumulation", "layout", "checkpointing")
             suspects.sort(key=lambda f: order.index(f.split()[0]))
             todo = feature_todo(suspects[0]) if suspects else ACCUMULATION
-        if not rep.failed(todo):
+        if rep.failed(todo):
+            continue
+        if earlier:
+            rep.waits(todo, f"the losses with {flags(key)} are compared once TODO {earlier[0]} "
+                      "is fixed")
+        else:
             fail(rep, todo, what)
 
 
@@ -239,8 +335,11 @@ def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
 def check_promises(ctx, key, run, ref, runs) -> None:
     """What the run's options promise, on the objects it built and the bytes it measured."""
     layout, accum, ckpt = key
-    if layout in ("zero2", "zero3", "offload"):
+    if layout in FSDP_LAYOUTS:
         check_fsdp(ctx, key, run, ref)
+        if zero_optimizers(run):
+            fail(ctx.report, ZERO1, f"with {flags(key)} the optimizer is a "
+                 f"ZeroRedundancyOptimizer too: {ZERO_WITH_FSDP}")
     else:
         check_replicated(ctx, key, run, ref)
     if ckpt:
@@ -249,14 +348,24 @@ def check_promises(ctx, key, run, ref, runs) -> None:
         check_accumulation(ctx, key, run, ref, runs)
 
 
+ZERO_WITH_FSDP = ("FSDP shards AdamW's state itself: a ZeroRedundancyOptimizer for --layout zero1 "
+                  "only, the plain torch.optim.AdamW(model.parameters(), ...) for the FSDP layouts")
+
+
+def zero_optimizers(run) -> list[dict]:
+    """The ZeroRedundancyOptimizers rank 0 built (a crashed run's record too)."""
+    record = run.ranks[0] if run.ranks else None
+    return [o for o in (record or {}).get("optimizers", [])
+            if o["class"] == "ZeroRedundancyOptimizer"]
+
+
 def check_replicated(ctx, key, run, ref) -> None:
     """ddp and zero1: DDP; AdamW's state whole (ddp) or sharded with AdamW's arguments (zero1)."""
     rep = ctx.report
     layout = key[0]
     r0 = run.ranks[0]
     values = (r0.get("parser") or {}).get("values", {})
-    optimizers = r0.get("optimizers", [])
-    zero = [o for o in optimizers if o["class"] == "ZeroRedundancyOptimizer"]
+    zero = zero_optimizers(run)
     if zero:
         rep.attempt(ZERO1)
     mine, whole = memory(run, "optimizer"), memory(ref, "optimizer")
@@ -271,6 +380,14 @@ def check_replicated(ctx, key, run, ref) -> None:
                  "make the optimizer a ZeroRedundancyOptimizer for --layout zero1")
         return
     z = zero[0]
+    if (z["optimizer_class"] or "").startswith("_Functional"):
+        # overlap_with_ddp=True swaps AdamW for its functional form, stepped by a DDP
+        # communication hook this script never registers
+        fail(rep, ZERO1, f"the ZeroRedundancyOptimizer runs {z['optimizer_class']}, made for "
+             "overlap_with_ddp=True, which needs a DDP communication hook to step it: drop "
+             "overlap_with_ddp=True, ZeroRedundancyOptimizer(model.parameters(), "
+             "optimizer_class=torch.optim.AdamW, **adamw)")
+        return
     if z["optimizer_class"] != "AdamW":
         fail(rep, ZERO1, f"the ZeroRedundancyOptimizer runs {z['optimizer_class']}, the course "
                  "trains with AdamW: optimizer_class=torch.optim.AdamW")
@@ -375,13 +492,22 @@ def check_checkpointing(ctx, key, run, ref) -> None:
     """Judged by the bytes measured against the formula's: no block checkpointed, each block,
     the whole model as one; whatever module does the checkpointing."""
     rep = ctx.report
-    types = run.ranks[0].get("block_types", [])
+    record = run.ranks[0]
+    types = record.get("block_types", [])
     wrapped = [t for t in types if "CheckpointWrapper" in t]
+    options = record.get("checkpoint_fns", [])
     saved, expected = memory(run, "activations"), checkpointed_formula(run)
     full = memory(ref, "activations") * tokens(run) / tokens(ref)
-    if wrapped or saved < 0.9 * full:
+    if wrapped or saved < 0.9 * full or any("OffloadWrapper" in t for t in types):
         rep.attempt(CHECKPOINTING)
-    if near(saved, full, 0.02):
+    accum = key[1]
+    if accum > 1 and near(saved, accum * expected, 0.1):
+        return  # every micro-batch's activations alive at once: check_accumulation's to say
+    if any("OffloadWrapper" in t for t in types):
+        fail(rep, CHECKPOINTING, f"with {flags(key)} the blocks are offload_wrapper's, which "
+             "move their activations to host memory instead of recomputing them: "
+             "checkpoint_wrapper(block) for every block of model.layers")
+    elif near(saved, full, 0.02):
         fail(rep, CHECKPOINTING, f"with {flags(key)} the blocks still save all their activations: "
                  "replace every block of model.layers by checkpoint_wrapper(block)")
     elif saved < 0.7 * expected:
@@ -390,17 +516,30 @@ def check_checkpointing(ctx, key, run, ref) -> None:
                  "Transformer block on its own, not the whole model (whose backward then "
                  "recomputes everything at once)")
     elif (saved > 1.3 * expected and wrapped and len(wrapped) == len(types)
-          and "REENTRANT" in run.ranks[0].get("checkpoint_impls", [])):
+          and "REENTRANT" in record.get("checkpoint_impls", [])):
         fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
                  f"{expected:.0f} of every block checkpointed, though every block is wrapped: "
                  "the reentrant checkpointing (deprecated) keeps more; use the default "
                  "(non-reentrant) checkpointing, checkpoint_wrapper(block) without "
                  "checkpoint_impl")
+    elif (saved > 1.3 * expected and wrapped and len(wrapped) == len(types)
+          and any(o["reentrant"] for o in options)):
+        fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
+                 f"{expected:.0f} of every block checkpointed, though every block is wrapped: "
+                 "the checkpoint_fn given runs the reentrant checkpointing (use_reentrant "
+                 "defaults to True), which keeps more: leave checkpoint_fn out, "
+                 "checkpoint_wrapper(block)")
     elif saved > 1.3 * expected or 0 < len(wrapped) < len(types):
         fail(rep, CHECKPOINTING, f"with {flags(key)}: {saved} bytes of activations, more than the "
                  f"{expected:.0f} of every block checkpointed whole ({len(wrapped)} of "
                  f"{len(types)} blocks wrapped): wrap each block of model.layers, the whole "
                  "block")
+    elif any(o["preserve_rng_state"] is False for o in options):
+        # (the check trains without dropout, where it cannot show in the losses)
+        fail(rep, CHECKPOINTING, f"with {flags(key)} the blocks are wrapped with "
+             "preserve_rng_state=False: with dropout the recomputed forward draws other masks "
+             "than the first, and backward gets gradients of another network: leave "
+             "preserve_rng_state out, checkpoint_wrapper(block)")
     else:
         rep.ok(CHECKPOINTING, f"each block keeps only its input: {saved / full:.0%} of the "
                "activations, in every layout, the same losses")
@@ -423,27 +562,72 @@ def check_accumulation(ctx, key, run, ref, runs) -> None:
              "the gradients added up so far: zero_grad once per optimizer step, before its "
              "first micro-batch (if micro % args.grad_accum == 0)")
         return
-    if layout in ("ddp", "zero1"):
-        per_step = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
-        counted = run.ranks[0].get("allreduces")
-        what = "DDP all-reduced the gradients"
-    else:
-        plain = next((r for k, r in runs.items() if k[0] == layout and k[1] == 1), None)
-        if plain is None:
-            return
-        per_step = plain.ranks[0].get("reduce_scatters", 0) / max(plain.summary["steps"], 1)
-        counted = run.ranks[0].get("reduce_scatters")
-        what = "FSDP reduce-scattered the gradients"
+    if all_micro_batches_alive(key, run):
+        fail(rep, ACCUMULATION, f"with {flags(key)} the activations of all {key[1]} "
+             f"micro-batches are alive at once ({memory(run, 'activations')} bytes): call "
+             "backward() on each micro-batch's loss right after its forward, so that its "
+             "activations are freed before the next micro-batch")
+        return
+    counted, per_step, what = gradient_syncs(run, ref)
     if counted is None or not per_step:
         return
     if counted > steps * per_step:
+        inside = ("its forward pass too (DDP decides in forward whether the backward "
+                  "all-reduces)" if layout in ("ddp", "zero1") else "its backward too (FSDP2 "
+                  "reduce-scatters in backward unless the sync is off)")
         fail(rep, ACCUMULATION, f"with {flags(key)} {what} {counted} times in {steps} steps "
                  f"({counted / steps:g} per step instead of {per_step:g}), once per micro-batch: "
-                 "run all but the last micro-batch inside no_gradient_sync(model), its forward "
-                 "pass too (DDP decides in forward whether the backward all-reduces)")
+                 f"run all but the last micro-batch inside no_gradient_sync(model), {inside}")
     elif not rep.failed(ACCUMULATION):
         rep.ok(ACCUMULATION, "2 micro-batches per step train like one process with the whole "
                "batch in every layout, the gradients reduced once per step")
+
+
+def all_micro_batches_alive(key, run) -> bool:
+    """The run's activations are those of all its micro-batches at once, not one's (their
+    losses added up and one backward at the end)."""
+    layout, accum, ckpt = key
+    one = checkpointed_formula(run) if ckpt else formula(run, "activations")
+    saved = memory(run, "activations")
+    return accum > 1 and (near(saved, accum * one, 0.1) if ckpt else saved > 1.5 * one)
+
+
+def gradient_syncs(run, ref) -> tuple[int | None, float, str]:
+    """(times the run synchronised its gradients, how often per step it should, what it did):
+    DDP's all-reduces against the single process's per step; FSDP's reduce-scatters, one per
+    FSDP unit per step."""
+    if run.summary["args"].get("layout") in ("ddp", "zero1"):
+        per_step = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
+        return run.ranks[0].get("allreduces"), per_step, "DDP all-reduced the gradients"
+    units = run.ranks[0].get("fsdp") or {}
+    per_step = sum(units.get("blocks", [])) + bool(units.get("root"))
+    # (counted where the check asks: COUNT; none made, none counted)
+    return run.ranks[0].get("reduce_scatters", 0), per_step, "FSDP reduce-scattered the gradients"
+
+
+def check_too_few_syncs(ctx, runs: dict, ref) -> None:
+    """Gradients synchronised less than once per step (the last micro-batch of a step inside
+    no_gradient_sync too): the ranks train apart, in every run so affected, whatever its other
+    options; said once, under TODO 58, before the losses are compared."""
+    fewer = {}
+    for key, run in runs.items():
+        counted, per_step, what = gradient_syncs(run, ref)
+        steps = run.summary["steps"]
+        if counted is not None and per_step and steps and counted < steps * per_step:
+            fewer[key] = (counted, steps, what)
+    if not fewer:
+        return
+    key, (counted, steps, what) = next(iter(fewer.items()))
+    said = f"with {flags(key)} {what} {counted} times in {steps} steps, fewer than once per step"
+    if all(k[0] in FSDP_LAYOUTS for k in fewer) and any(k[0] not in FSDP_LAYOUTS for k in runs):
+        fail(ctx.report, ACCUMULATION, f"{said} (DDP's runs all-reduce every step): "
+             "no_gradient_sync must switch FSDP's gradient sync back on as it ends, "
+             "model.set_requires_gradient_sync(True) after the yield (in a finally), and the "
+             "last micro-batch of each step runs outside it")
+    else:
+        fail(ctx.report, ACCUMULATION, f"{said}, so the ranks train apart: the last micro-batch "
+             "of every step outside no_gradient_sync(model), contextlib.nullcontext() if last "
+             "(last = micro % args.grad_accum == 0)")
 
 
 HINTS = {
