@@ -61,7 +61,10 @@ def first_line(message: str) -> str:
     ModuleDict(" becomes "... forward: ModuleDict(...)"): the lines after it are the module."""
     if not message.strip():
         return message
-    line = message.strip().splitlines()[0][:300]
+    lines = [l for l in message.strip().splitlines() if l.strip()]
+    # "RuntimeError: " with torch's text on the lines after it: the first of those says what
+    line = (lines[0].rstrip() + " " + lines[1].strip() if len(lines) > 1 and re.fullmatch(
+        r"[\w.]+:", lines[0].strip()) else lines[0])[:300]
     opened = {"(": ")", "[": "]", "{": "}"}
     if line and line[-1] in opened:
         line += "..." + opened[line[-1]]
@@ -109,6 +112,10 @@ def rank_failure(run, rank: int) -> Failure | None:
         message = error["message"] or last_error_line(run.outputs[rank])
         silent = not message
         message = first_line(message or f"exited (code {ended.split()[-1]}) without a message")
+        if re.fullmatch(r"[\w.]+(Error|Exception):?\s*", message) and error["frames"]:
+            # an error without a text (torch's bare asserts): where it was raised says more
+            raised = error["frames"][-1]["file"].replace("\\", "/").split("site-packages/")[-1]
+            message = f"{message.strip().rstrip(':')} (raised in {raised})"
         frames, callee = script_part(error["frames"], script)
         innermost = frames[-1] if frames else {}
         return Failure(rank, "exit" if error["exit"] else "error", message, frames,

@@ -618,7 +618,8 @@ class Probe:
                 "type": type(output).__name__, "shape": list(output.shape),
                 "local_shape": list(output.to_local().shape) if hasattr(output, "to_local")
                 else list(output.shape), "vocab": module.cfg.vocab_size
-                if hasattr(module, "cfg") else None})
+                if hasattr(module, "cfg") else None,
+                "placements": [str(p) for p in getattr(output, "placements", ())]})
 
     def forward_pre_hook(self, module, inputs):
         import torch

@@ -104,7 +104,10 @@ KNOWN_CAUSES = [
     (r"_loss_backward\S* got mixed torch\.Tensor and DTensor",
      "the backward pass ran outside loss_parallel(): it needs the context as the loss does, "
      "so call loss.backward() inside the same with loss_parallel(): block"),
-    (r"mixed torch\.Tensor and DTensor",
+    (r"Operator c10d\.\w+ does not have a sharding strategy",
+     "a DTensor went into a torch.distributed collective, which takes plain tensors: "
+     ".full_tensor() first (the loss computed under loss_parallel() is a DTensor)"),
+    (r"mixed torch\.Tensor and DTensor|\(raised in torch/distributed/tensor/",
      "a plain tensor met a DTensor: the loss over split logits needs loss_parallel(), and a "
      "DTensor result needs .full_tensor() before plain tensor code uses it"),
     (r"save0 got sharded",
@@ -321,7 +324,7 @@ def report_crash(ctx: Context, run, todo: int | None = None, cause: str | None =
     else:
         where = f.where().replace(",", ", no TODO's code,", 1) if ctx.todo_of(f.line) is None \
             else f.where()
-        what = f"{who} stopped{where} with: {f.message}"
+        what = f"{who} stopped{where} with: {f.message.rstrip('.')}"
         if elsewhere and ctx.todo_of(f.line) is None:  # the other rank's line shows where
             what += f" (rank {elsewhere[0].rank} waited at {position(ctx, elsewhere[0])})"
         cause = cause or usual_cause(f.message)

@@ -52,14 +52,28 @@ def check(ctx) -> None:
     mesh = check_mesh(ctx, run)
     check_plan(ctx, run)
     if run.crashed:
-        if r0.get("ddp") and (r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("returned"):
+        if tp_after_fsdp(run):
+            report_crash(ctx, run, todo=28, cause="apply_tp runs after fully_shard, which made "
+                         "the parameters DTensors on the dp mesh already: TP first, model = "
+                         "apply_tp(model, mesh['tp']), then fully_shard over mesh['dp']")
+        elif r0.get("ddp") and (r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("returned"):
             report_crash(ctx, run, todo=29, cause="DDP cannot hold the DTensor parameters TP "
                          "made: fully_shard(block, mesh=mesh['dp']) for every block, then "
                          "fully_shard(model, mesh=mesh['dp']), instead of DDP")
+        elif mesh == "wrong" and crash_todo(ctx, run.failure) in (27, 31, 32, 33):
+            # what the ranks read and count follows from the mesh (TODO 26's FIX says why)
+            for todo in (27, 31, 32, 33):
+                rep.waits(todo, "it follows from the mesh (fix TODO 26 above first)")
         elif rep.failed(24) and crash_todo(ctx, run.failure) != 23:
             # a wrong plan gives the layers shapes that do not fit: its crash is no new FIX
             report_crash(ctx, run, todo=24, cause=usual_cause(run.failure.message)
                          or "what the plan above does to the shapes (fix the plan first)")
+        elif "does not have a sharding strategy" in run.failure.message and \
+                calls(run, "loss_parallel"):
+            # the loss under loss_parallel() is a DTensor: what the step does with it next fails
+            report_crash(ctx, run, todo=30, cause="the loss computed under loss_parallel() is a "
+                         "DTensor: take it as a plain tensor, loss = loss.full_tensor(), before "
+                         "all_reduce_mean and the loss history")
         else:
             report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
@@ -177,6 +191,21 @@ def check_replicas(ctx, nodes, ref) -> None:
     tp = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
     if tp != 1 or rep.failed(31) and rep.failed(33):
         return
+    # dp 2 shows what dp 1 cannot: which samples each replica reads, and the tokens of both
+    # (their ok lines are said once, for the run above)
+    said = {todo: len(rep.verdicts.get(todo, [])) for todo in (27, 31)}
+    check_training_shards(ctx, nodes, 27, 27, replicas=2, replica_of=lambda r: r,
+                          made_is_attempt=False, given_as="num_replicas=dp_size, rank=dp_rank")
+    for split in (1, 2):
+        check_eval_reads(ctx, nodes, 27, replicas=2, replica_of=lambda r: r,
+                         made_is_attempt=False, split=split)
+    check_tokens(ctx, nodes, 31, BATCH * SEQ_LEN, "throughput.step(x.numel() * dp_size): "
+                 "each replica trains on its own batch")
+    for todo, before in said.items():
+        rep.verdicts[todo] = rep.verdicts[todo][:before] + [
+            v for v in rep.verdicts[todo][before:] if v[0] != "ok"]
+    if rep.failed(27):
+        return  # the replicas read other data than one process: nothing to compare yet
     if not rep.failed(31):
         before = len(rep.verdicts.get(31, []))
         if check_losses(ctx, nodes, ref, 31, "on two nodes (tp 1, dp 2) the logged losses"):
@@ -283,9 +312,13 @@ def check_mesh(ctx, run) -> str:
             loc = s.get("locals", {})
             want_rank, want_size = r["rank"] // tp, world // tp
             if loc.get("dp_rank", want_rank) != want_rank:
-                rep.fail(26, f"on rank {r['rank']} dp_rank is {loc['dp_rank']}, its replica is "
-                         f"{want_rank}: dp_rank = mesh['dp'].get_local_rank() (not the global "
-                         "rank)")
+                in_tp, global_ = loc["dp_rank"] == r["rank"] % tp, loc["dp_rank"] == r["rank"]
+                which = {(True, True): "its place in its TP group (the tp dim) or the global "
+                                       "rank", (True, False): "its place in its TP group (the "
+                         "tp dim)", (False, True): "the global rank"}.get((in_tp, global_),
+                                                                          "not its replica")
+                rep.fail(26, f"on rank {r['rank']} dp_rank is {loc['dp_rank']}, {which}; its "
+                         f"replica is {want_rank}: dp_rank = mesh['dp'].get_local_rank()")
                 return "wrong"
             if loc.get("dp_size", want_size) != want_size:
                 rep.fail(26, f"dp_size is {loc['dp_size']}, the mesh has {want_size} replicas: "
@@ -303,6 +336,12 @@ def check_mesh(ctx, run) -> str:
     return "ok"
 
 
+def tp_after_fsdp(run) -> bool:
+    """The run stopped where parallelize_module met parameters fully_shard had split already."""
+    return bool(run.crashed and run.failure and "Cannot distribute a DTensor with device mesh"
+                in run.failure.message)
+
+
 def check_plan(ctx, run) -> None:
     """TODO 24 (the plan) and 28 (the call): judged once apply_tp has run on rank 0."""
     rep = ctx.report
@@ -318,12 +357,16 @@ def check_plan(ctx, run) -> None:
                      "dim only, apply_tp(model, mesh['tp'])")
             return
     elif "apply_tp" in r0.get("defined", []):
-        if r0.get("meshes") and (ctx.status.get(28) == "edited" or not run.crashed):
+        # (a run that stopped before TODO 28's lines never got to call it)
+        reached = not run.crashed or (crash_todo(ctx, run.failure) or 0) > 28
+        if r0.get("meshes") and reached and (ctx.status.get(28) == "edited" or not run.crashed):
             rep.fail(28, "apply_tp is never called: model = apply_tp(model, mesh['tp'])")
         rep.waits(24, "apply_tp is checked once TODO 28 calls it")
     if not (applied and applied[0].get("returned")) and not calls(run, "parallelize_module"):
         return
     rep.attempt(24)
+    if tp_after_fsdp(run):
+        return  # the plan met FSDP's DTensors: the order is TODO 28's (the crash says so)
     if run.crashed and not (applied and applied[0].get("returned")) and run.failure \
             and crash_todo(ctx, run.failure) not in (None, 24):
         # another rank stopped elsewhere (a sampler's rank) while this one waited inside the
@@ -335,6 +378,9 @@ def check_plan(ctx, run) -> None:
     outputs = r0.get("outputs", [])
     local = next((o for o in outputs if o["type"] != "DTensor" and o["vocab"]
                   and o["shape"][-1] < o["vocab"]), None)
+    whole = next((o for o in outputs if o["type"] == "DTensor" and o.get("placements")
+                  and all(p == "R" or p.startswith("Replicate") for p in o["placements"])),
+                 None)
     # the token ids are whole on every rank; RowwiseParallel expects its input split (Shard(-1))
     # unless told otherwise, and then sees a sequence tp times as long
     emb = [style for c in calls(run, "parallelize_module", rank=0)
@@ -345,6 +391,11 @@ def check_plan(ctx, run) -> None:
         rep.fail(24, f"the embedding's input layout is {emb[0]['input_layouts'][0]}: its input, "
                  "the token ids, is the same on every rank, so say so, 'tok_emb': "
                  "RowwiseParallel(input_layouts=Replicate())")
+    elif whole:
+        rep.fail(24, "the model returns its logits whole on every rank (Replicate()): "
+                 "loss_parallel needs them split over the vocabulary, as the output layer "
+                 "computes them, 'output': ColwiseParallel(use_local_output=False) without "
+                 "output_layouts")
     elif local:
         rep.fail(24, f"the model returns plain logits of {local['shape'][-1]} of the "
                  f"{local['vocab']} words on each rank: keep them a DTensor for loss_parallel, "
@@ -390,9 +441,11 @@ def check_summary(ctx, run) -> None:
     r0 = run.ranks[0]
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp")
     dp = run.geometry.world // tp if tp else None
-    if s.get("tensor_parallel_size") != tp or s.get("global_batch_size") != BATCH * (dp or 1):
+    if s.get("tensor_parallel_size") != tp or s.get("global_batch_size") != BATCH * (dp or 1) \
+            or s.get("params_per_rank") is None:
         rep.fail(31, f"summary.json says tensor_parallel_size {s.get('tensor_parallel_size')}, "
-                 f"global batch {s.get('global_batch_size')}: training_summary(..., "
+                 f"global batch {s.get('global_batch_size')}, params_per_rank "
+                 f"{s.get('params_per_rank')}: training_summary(..., "
                  "data_parallel_size=dp_size, tensor_parallel_size=args.tp, "
                  "params_per_rank=local_params)")
 
