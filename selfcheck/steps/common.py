@@ -119,6 +119,10 @@ KNOWN_CAUSES = [
      "a sampler's rank numbers the replica that reads the shard, below its num_replicas: "
      "give both from the same count (num_replicas=dp_size, rank=dp_rank with a dp mesh; "
      "num_replicas=world_size, rank=rank without)"),
+    (r"unrecognized arguments: (true|false|[\d.]+)\b",
+     "an option takes no value (action='store_true') where the course gives it one "
+     "(--reshard-after-forward false): add_argument(name, choices=['true', 'false'], "
+     "default=...), or type=int for a number"),
     (r"unrecognized arguments",
      "the script's parser has no such option yet"),
     (r"Profiler must be initialized", "the profiler recorded no step: call profiler.step() "

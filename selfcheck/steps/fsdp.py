@@ -12,8 +12,9 @@ value no evaluation can beat: a run that forgot it saves a new "best").
 from __future__ import annotations
 
 import json
-from pathlib import Path
 import re
+import shutil
+from pathlib import Path
 
 from selfcheck.compare import (first_difference, first_different_tensor, load_checkpoint_state,
                                near)
@@ -48,9 +49,11 @@ def check(ctx) -> None:
                extra=["--precision", "bf16", "--max-steps", "1"])
     run.wait(), stop.wait()
     resumed = start_resume(ctx, stop)
+    restarted = start_restart(ctx, stop)
     ref.wait(), bf16.wait()
-    if resumed:
-        resumed.wait()
+    for r in (resumed, restarted):
+        if r:
+            r.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     for r in (run, stop):
@@ -73,6 +76,7 @@ def check(ctx) -> None:
                          "and tokens), then reshard every FSDP unit")
     check_checkpoints(ctx, run, stop)
     check_resume(ctx, stop, resumed, ref)
+    check_restart(ctx, restarted, ref)
     if calls(run, "save_full_model"):
         rep.attempt(22)
     if sharded or calls(run, "save_full_model"):
@@ -181,7 +185,14 @@ def check_sharding(ctx, run, stop, ref) -> None:
                  (stop.ranks[0] or {}).get("fsdp", {}) .get("reshard_after_forward")
                  if stop.ranks and stop.ranks[0] and stop.ranks[0].get("fsdp") else None]
         if flags[0] and flags[1] and None not in flags[0] + flags[1]:
-            if any(flags[1]) and reshard_given(stop.ranks[0])[:1] == [True]:
+            option = ((stop.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get(
+                "reshard_after_forward")
+            if any(flags[1]) and option is True:  # the parser itself made True of "false"
+                rep.fail(18, "--reshard-after-forward false arrives as True: type=bool makes "
+                         "True of any non-empty string; choices=['true', 'false'], "
+                         "default='true', and apply_fsdp(..., args.reshard_after_forward == "
+                         "'true')")
+            elif any(flags[1]) and reshard_given(stop.ranks[0])[:1] == [True]:
                 # apply_fsdp passes on what it gets; its caller turned "false" into True
                 rep.fail(19, "with --reshard-after-forward false, apply_fsdp gets "
                          "reshard_after_forward=True (bool('false') is True: any non-empty "
@@ -233,6 +244,67 @@ def start_resume(ctx, stop):
             pass
     return Run(ctx.work, "resumed", ctx.script, BATCH * 2, geometry=ONE, optional=OPTIONAL,
                extra=["--resume", str(ckpt)])
+
+
+def start_restart(ctx, stop):
+    """The stopped run started again as torchrun or Slurm restarts it: the same two ranks, the
+    same folder with its checkpoints, no --resume (None if there is nothing to restart from)."""
+    checkpoints = stop.out / "checkpoints"
+    if stop.crashed or not (checkpoints / "last" / ".metadata").is_file():
+        return None
+    folder = ctx.work / "restarted"
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(checkpoints, folder / "out" / "checkpoints")
+    return Run(ctx.work, "restarted", ctx.script, BATCH, geometry=TWO_NODES, optional=OPTIONAL,
+               env={"TORCHELASTIC_RESTART_COUNT": "1"})
+
+
+def check_restart(ctx, restarted, ref) -> None:
+    """TODO 21 on two ranks and without --resume, judged once the resume in one process is
+    right: every rank loads its shards, the global batch is compared, rank 0 alone says so,
+    and a restart continues instead of starting at step 0."""
+    rep = ctx.report
+    if restarted is None or rep.failed(21) or not rep.judged(21):
+        return
+    how = "restarted on 2 ranks without --resume (as torchrun --max-restarts or a requeued job)"
+    # (a rank killed mid-collective leaves no record: the calls of the others tell)
+    loading = {r for r in range(restarted.geometry.world) if calls(restarted, "load_sharded_model",
+                                                                   rank=r)}
+    f = restarted.failure
+    if f and f.callee in ("load_sharded_model", "dcp.load", "load"):
+        loading.add(f.rank)  # killed inside the load: it had called it
+    every_rank = ("every rank loads its own shards: load_sharded_model(...) on every rank, no "
+                  "`if rank == 0:` around it")
+    if restarted.crashed:
+        f = restarted.failure
+        cause = ("resume_position compares the global batch: pass global_batch, "
+                 "args.batch_size * world_size, not this rank's batch"
+                 if f and "global batch" in f.message else every_rank
+                 if loading and len(loading) < restarted.geometry.world else None)
+        report_crash(ctx, restarted, todo=21, cause=cause, prefix=f"{how}, ")
+        rep.note(f"(full output of the restarted run: {restarted.dir / 'output.txt'})")
+        return
+    if not calls(restarted, "load_sharded_model"):
+        rep.fail(21, f"{how}, the run starts again at step 0 and overwrites its checkpoints: "
+                 "resume = resume_checkpoint(args.resume, out_dir / 'checkpoints') whether "
+                 "or not --resume is given (it turns a restart into the newest checkpoint)")
+        return
+    if len(loading) < restarted.geometry.world:
+        rep.fail(21, f"{how}, only rank(s) {sorted(loading)} load the checkpoint: {every_rank}")
+        return
+    said = [p["text"] for record in restarted.ranks[1:] if record
+            for p in record.get("prints", []) if "resum" in p["text"].lower()]
+    if said:
+        rep.fail(21, f"{how}, rank 1 prints too ({said[0][:60]!r}): say where the run resumed "
+                 "with print0")
+        return
+    mine, theirs = restarted.summary["loss_history"], ref.summary["loss_history"]
+    i = first_difference(mine, theirs)
+    if i is not None or len(mine) != len(theirs):
+        at = i if i is not None else min(len(mine), len(theirs))
+        rep.fail(21, f"{how}, the losses differ from the uninterrupted run from step {at + 1} "
+                 "on: the same run on any number of ranks continues alike (every rank loads, "
+                 "the global batch, the position from resume_position)")
 
 
 def check_checkpoints(ctx, run, stop) -> None:
