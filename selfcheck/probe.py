@@ -307,6 +307,7 @@ class Probe:
         def destroying(name):  # the model's last state, while its meshes' groups still exist
             def before(*a, **k):
                 probe.note_call(name)
+                record.setdefault("destroyed_at", time.perf_counter())  # (print0 after it)
                 probe.snapshot()
                 if probe.ddp_models and "ddp_alive_at_destroy" not in record:
                     gc.collect()  # what the course's helper does first: cycles go too
@@ -354,7 +355,8 @@ class Probe:
         def torch_save(obj, f, *a, **k):
             if isinstance(obj, dict) and any("weight" in str(key) for key in obj):
                 where = probe.script_line(3)
-                record["saves"].append({"path": str(f), "line": where[1] if where else None})
+                record["saves"].append({"path": saved_path(f), "line": where[1] if where else None,
+                                        "t": time.perf_counter()})
         wrap(torch, "save", before=torch_save)
 
         # -- device meshes (the dims the script asked for), pipeline stages and schedules
@@ -814,6 +816,19 @@ class OpenAutocast:
 
 WATCHED_FUNCTIONS = ("apply_fsdp", "apply_tp", "split_pipeline_stage", "build_schedule",
                      "make_profiler", "profiler_window", "check_tp_degree")
+
+
+def saved_path(f) -> str:
+    """The file torch.save writes: the path, also where utils.files.atomic_torch_save gives it
+    the open temporary file (whose name is a file descriptor)."""
+    if isinstance(f, (str, os.PathLike)):
+        return str(f)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "atomic_torch_save" and "path" in frame.f_locals:
+            return str(frame.f_locals["path"])
+        frame = frame.f_back
+    return str(getattr(f, "name", f))
 
 
 def short(value):

@@ -138,4 +138,5 @@ class Report:
                              + "".join(f"; also {t}" for t in fixes[1:3]))
             else:
                 lines.append(f"  {OK:<12} {label}: {entries[0][1]}")
-        return lines, problems
+        # one line per TODO, whatever a text holds (a variable with a newline in it)
+        return [" ".join(line.splitlines()) for line in lines], problems

@@ -88,17 +88,21 @@ if name == "srun":
     n_nodes = int(str(option(["--nodes", "-N"], len(nodes), words)).split("-")[0])
     per_node = option(["--ntasks-per-node"], None, words)
     total = option(["--ntasks", "-n"], None, words)
-    if per_node is None:
-        per_node = (int(total) // n_nodes if total else
-                    int(env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]))
-    log(options=words, tasks_per_node=int(per_node), nodes=n_nodes,
+    if per_node is None and total is None and "SLURM_NTASKS_PER_NODE" not in env:
+        total = env.get("SLURM_NTASKS")  # the job's --ntasks alone: that many in all
+    if per_node is None and total:  # (block distribution: the first nodes get the rest)
+        tasks = [int(total) // n_nodes + (i < int(total) % n_nodes) for i in range(n_nodes)]
+    else:
+        per_node = per_node or env.get("SLURM_NTASKS_PER_NODE", "1").split("(")[0]
+        tasks = [int(per_node)] * n_nodes
+    log(options=words, tasks_per_node=tasks[0], nodes=n_nodes,
         srun_cpus_per_task=env.get("SRUN_CPUS_PER_TASK"))  # srun's own variable for -c
     status = 0
     for node in range(n_nodes):
-        for local in range(int(per_node)):
+        for local in range(tasks[node]):
             task_env = dict(env, SLURM_NODEID=str(node), SLURMD_NODENAME=nodes[node],
-                            SLURM_LOCALID=str(local), SLURM_PROCID=str(node * int(per_node) + local),
-                            SLURM_STEP_NUM_TASKS=str(n_nodes * int(per_node)),
+                            SLURM_LOCALID=str(local), SLURM_PROCID=str(sum(tasks[:node]) + local),
+                            SLURM_STEP_NUM_TASKS=str(sum(tasks)),
                             SLURM_STEP_NUM_NODES=str(n_nodes))
             import subprocess
             status = subprocess.call(command, env=task_env) or status
@@ -171,12 +175,28 @@ class Job:
         return None, last
 
 
+def first_command(text: str) -> int:
+    """The number of the job file's first line that is neither blank nor a comment: sbatch reads
+    #SBATCH lines up to it only (later ones are comments to it)."""
+    lines = text.splitlines()
+    return next((i for i, l in enumerate(lines, 1) if l.strip() and not l.lstrip().startswith(
+        "#")), len(lines) + 1)
+
+
+def late_directives(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of the #SBATCH lines after the first command, which sbatch ignores."""
+    start = first_command(text)
+    return [(i, l.strip()) for i, l in enumerate(text.splitlines(), 1)
+            if i > start and l.startswith("#SBATCH")]
+
+
 def sbatch_directives(text: str) -> dict:
-    """The options of the #SBATCH lines, as {option: value} ("--nodes": "2", ...)."""
+    """The options of the #SBATCH lines before the first command, as sbatch reads them, as
+    {option: value} ("--nodes": "2", ...)."""
     found = {}
     short = {"-N": "--nodes", "-n": "--ntasks", "-c": "--cpus-per-task", "-G": "--gpus",
              "-A": "--account", "-p": "--partition", "-t": "--time", "-J": "--job-name"}
-    for line in text.splitlines():
+    for line in text.splitlines()[:first_command(text) - 1]:
         if not line.startswith("#SBATCH"):
             continue
         words = shlex.split(line[len("#SBATCH"):].split(" #")[0])
@@ -196,12 +216,24 @@ def sbatch_directives(text: str) -> dict:
 
 
 def gpus_of(directives: dict) -> int:
+    """The GPUs a node of the job gets: --gres=gpu:N, --gpus-per-node, --gpus-per-task times
+    the tasks of a node, or --gpus spread over the nodes."""
     gres = directives.get("--gres", "")
     m = re.search(r"gpu(?::[a-zA-Z]\w*)?:(\d+)", gres)
     if m:
         return int(m.group(1))
+
+    def count(option):  # [type:]N
+        return int(re.sub(r"\D", "", directives.get(option, "").split(":")[-1]) or 0)
+    nodes = int(str(directives.get("--nodes", "1")).split("-")[0] or 1)
     if directives.get("--gpus-per-node"):
-        return int(re.sub(r"\D", "", directives["--gpus-per-node"].split(":")[-1]) or 0)
+        return count("--gpus-per-node")
+    if directives.get("--gpus-per-task"):
+        tasks = directives.get("--ntasks-per-node") or (
+            int(directives["--ntasks"]) // nodes if directives.get("--ntasks") else 1)
+        return count("--gpus-per-task") * int(tasks)
+    if directives.get("--gpus"):
+        return count("--gpus") // nodes
     return 0
 
 
@@ -229,8 +261,12 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
         f.write_text(body)
         f.chmod(f.stat().st_mode | stat.S_IEXEC)
     gpus = gpus_of(directives)
-    per_node = directives.get("--ntasks-per-node") or (
-        str(int(directives["--ntasks"]) // n_nodes) if directives.get("--ntasks") else "1")
+    per_node = directives.get("--ntasks-per-node")
+    if per_node is None and directives.get("--ntasks"):  # tasks in all, not per node
+        tasks = {"SLURM_NTASKS": directives["--ntasks"]}
+    else:
+        tasks = {"SLURM_NTASKS_PER_NODE": per_node or "1",
+                 "SLURM_NTASKS": str(int(per_node or 1) * n_nodes)}
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "SRUN_", "MASTER_", "CUDA_VISIBLE", "NPROC_PER_NODE",
                                 "SCRIPT", "OUT_DIR", "NSYS", "TORCHELASTIC_", "VENV",
@@ -250,8 +286,7 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
                SLURM_SUBMIT_DIR=str(d), SLURM_JOB_NAME=directives.get("--job-name", "job"),
                SLURM_JOB_ID=job_id, SLURM_JOBID=job_id, SLURM_JOB_NODELIST=",".join(names),
                SLURM_NODELIST=",".join(names), SLURM_JOB_NUM_NODES=str(n_nodes),
-               SLURM_NNODES=str(n_nodes), SLURM_NTASKS_PER_NODE=per_node,
-               SLURM_NTASKS=str(int(per_node) * n_nodes),
+               SLURM_NNODES=str(n_nodes), **tasks,
                SLURM_CPUS_PER_TASK=directives.get("--cpus-per-task", "1"),
                SLURMD_NODENAME=names[0], SLURM_NODEID="0",
                OUT_DIR=str(out_dir or d / "out"), BASH_ENV=str(trap), **(env_extra or {}))
@@ -276,7 +311,9 @@ def launch_problems(job: Job, text: str) -> list[str]:
     """What any job file must get right, one line each, saying what to change: bash finishing
     (set -u, pipefail), every torchrun's process count against the GPUs of a node.
     `text`: the job file (which variables it hands torchrun)."""
-    problems = []
+    problems = [f"{l} (line {n}) comes after the first command, and sbatch reads no #SBATCH "
+                "line after it: move it up with the other #SBATCH lines"
+                for n, l in late_directives(text)][:1]
     if job.returncode != 0:
         line, message = job.bash_error()
         m = re.search(r"(\w+): unbound variable", message)

@@ -8,7 +8,10 @@ with the same global batch. Dropout is off: every loss, evaluation and weight mu
 from __future__ import annotations
 
 import ast
+import copy
 import itertools
+import re
+from pathlib import Path
 
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
@@ -17,7 +20,8 @@ from selfcheck.runs import ONE, TWO_NODES, Geometry, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_new_order,
                                     check_prints_once, check_tokens, check_training_shards,
-                                    check_weights_file, crash_todo, epoch_passes, report_crash,
+                                    check_weights_file, crash_todo, epoch_passes, flow_todos,
+                                    printed_by_others, printed_losses, report_crash,
                                     train_sampler)
 
 FILE = "train/to_distributed_training.py"
@@ -50,9 +54,24 @@ def check(ctx) -> None:
     records = [r for r in run.ranks if r]
     if run.crashed:
         one_sided = one_sided_collective(run)
+        swapped = swapped_sampler_arguments(run)
         if one_sided:
             rep.fail(*one_sided)
             rep.attempt(one_sided[0])
+        elif swapped:
+            rep.fail(3, swapped)
+            rep.attempt(3)
+        elif run.failure and run.failure.callee in ("all_reduce_mean", "all_reduce_sum") and \
+                "object has no attribute" in (run.failure.message or ""):
+            name = run.failure.callee
+            report_crash(ctx, run, cause=(
+                f"{name}'s second argument is a process group (the ranks to reduce over), not "
+                f"a count: leave it out, {name}(tensor) reduces over all ranks"))
+        elif loss_made_a_number(ctx, run.failure):
+            report_crash(ctx, run, todo=7, cause=(
+                "step_loss must stay a tensor (loss_history and monitor.report take it as one; "
+                ".item() would also wait for the GPU at every step): drop .item(), "
+                "step_loss = all_reduce_mean(loss.detach())"))
         else:
             report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
@@ -60,14 +79,14 @@ def check(ctx) -> None:
         return
     r0 = records[0]
     check_setup(ctx, run)
-    eval_sharded, shards_right = False, True
+    eval_sharded, shards_right, other_order = False, True, False
     if len(records) == 2 and records[1].get("datasets"):
         shards_right = check_training_shards(ctx, run, 3, 4, replicas=2, replica_of=lambda r: r)
         check_sampler_datasets(ctx, run)
         eval_sharded = all(check_eval_reads(ctx, run, 3, replicas=2, replica_of=lambda r: r,
                                             todo_loader=4, split=split) for split in (1, 2))
         check_new_order(ctx, run, 6, 3)
-        check_set_epoch_once(ctx, run)
+        other_order = check_set_epoch_once(ctx, run)
     check_ddp(ctx, run, ref)
     check_ddp_on_gpus(ctx, run, gpu)
     if run.crashed:
@@ -83,10 +102,17 @@ def check(ctx) -> None:
                   "ranks train on other data than one process")
     if not shards_right:
         rep.waits(7, f"the logged losses are compared with one process's {other_data}")
+    elif other_order:
+        rep.waits(7, "the logged losses are compared with the single-process run's once "
+                  "TODO 6 gives every epoch its order")
     elif epoch_steps and first_difference(run.summary["loss_history"][:epoch_steps],
                                         ref.summary["loss_history"][:epoch_steps]) is None:
         rep.ok(7, f"the logged losses of the first epoch equal the single-process run "
                f"({epoch_steps} steps; the later epochs once TODO 6 gives them their order)")
+    elif averaged_for_print_only(run, ref):
+        rep.fail(7, "the step lines print the mean over the ranks, but loss_history (the "
+                 "epoch's train loss, summary.json) gets rank 0's own loss: average before "
+                 "appending, step_loss = all_reduce_mean(loss.detach())")
     elif check_losses(ctx, run, ref, 7):
         check_tokens(ctx, run, 7, BATCH * 2 * SEQ_LEN, "throughput.step(x.numel() * world_size)")
     elif discarded.get("main"):
@@ -116,6 +142,11 @@ def check(ctx) -> None:
     else:  # each rank evaluated everything: nothing to add up yet
         rep.fail(8, "the ranks do not share the evaluation yet (TODO 3's evaluation samplers): "
                  "then add up loss_sum and tokens over the ranks before dividing")
+    # a process group destroyed early (TODO 11): after it every rank counts as rank 0, so
+    # print0 and save0 run everywhere; TODO 9 and 10 are judged on what came before it
+    late = after_destroy(run)
+    if late:
+        run = before_destroy(run)
     check_prints_once(ctx, run, 9)
     if not shards_right:
         rep.waits(10, f"the saved weights are compared with one process's {other_data}")
@@ -124,7 +155,44 @@ def check(ctx) -> None:
                   "single-process run's order")
     else:
         check_saves(ctx, run, ref)
-    check_teardown(ctx, run)
+    check_teardown(ctx, run, late)
+
+
+def after_destroy(run) -> dict | None:
+    """The first print or save of a rank other than 0 after its process group was destroyed
+    (print0 and save0 then take every rank for rank 0), with what it was."""
+    for rank, record in enumerate(run.ranks):
+        if not record or not rank or "destroyed_at" not in record:
+            continue
+        at = record["destroyed_at"]
+        late = [p for p in printed_by_others(run) if p in record.get("prints", [])
+                and p.get("t", 0) > at] + [s for s in record.get("saves", [])
+                                             if s.get("t", 0) > at]
+        if late:
+            first = min(late, key=lambda e: e["t"])
+            what = (f"prints line {first['line']}" if "text" in first else
+                    f"writes {first['path'].rsplit('/', 1)[-1]} (line {first['line']})")
+            return {"rank": rank, "what": what}
+    return None
+
+
+def before_destroy(run):
+    """The run as it was until each rank destroyed its process group: its prints and saves."""
+    view = copy.copy(run)
+    view.ranks = [record if not record or "destroyed_at" not in record else dict(
+        record, **{key: [e for e in record.get(key, []) if e.get("t", 0) <= record[
+            "destroyed_at"]] for key in ("prints", "saves")}) for record in run.ranks]
+    return view
+
+
+def averaged_for_print_only(run, ref) -> bool:
+    """The printed step losses are the single-process run's (the mean over the ranks), the
+    loss history is not: the mean was taken for the print alone."""
+    mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
+    if len(mine) != len(theirs) or first_difference(mine, theirs) is None:
+        return False
+    printed = {s: v for s, v in printed_losses(run.outputs[0]).items() if 1 <= s <= len(theirs)}
+    return bool(printed) and all(near(v, theirs[s - 1], 1e-3, 1e-3) for s, v in printed.items())
 
 
 def discarded_results(ctx, run) -> dict:
@@ -138,7 +206,10 @@ def discarded_results(ctx, run) -> dict:
         return {}
     found = {}
     for node in ast.walk(tree):
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call):
+        # (the call itself a statement: a call nested in another call hands its result on)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Call) and getattr(
+                node.value.func, "id", getattr(node.value.func, "attr", None)) in (
+                "all_reduce_sum", "all_reduce_mean"):
             for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
                 if line in lines:
                     name, func = lines[line]
@@ -194,6 +265,27 @@ def one_sided_collective(run) -> tuple[int, str] | None:
                "outside any `if rank == 0:` (print0 prints it once)")
 
 
+def loss_made_a_number(ctx, f) -> bool:
+    """A crash on a Python float where a tensor was expected, on a line that uses the
+    step_loss TODO 7 made (step_loss = all_reduce_mean(...).item())."""
+    return f is not None and bool(re.search(r"'float' object has no attribute", f.message or "")) \
+        and "step_loss" in flow_todos(ctx, f.line).get(7, "")
+
+
+def swapped_sampler_arguments(run) -> str | None:
+    """A sampler given rank and world_size in each other's places (positionally: the order is
+    dataset, num_replicas, rank): rank 0 then has 0 replicas and stops dividing by it."""
+    world = run.geometry.world
+    for rank, record in enumerate(run.ranks):
+        for s in (record or {}).get("samplers", []):
+            given = s["given"]
+            if given.get("num_replicas") == rank != world and given.get("rank") == world:
+                return (f"{s['kind']}(dataset, num_replicas, rank) takes the count first: "
+                        f"rank {rank} got num_replicas={rank}, rank={world} (line {s['line']}); "
+                        "pass them as keywords, num_replicas=world_size, rank=rank")
+    return None
+
+
 def check_sampler_datasets(ctx, run) -> None:
     """Every DataLoader's sampler was built over that loader's own dataset (a copied line
     gives the test loader the validation set's sampler, or the test sampler the validation
@@ -226,21 +318,33 @@ def check_sampler_datasets(ctx, run) -> None:
                  "train_ds, ..., drop_last=True)")
 
 
-def check_set_epoch_once(ctx, run) -> None:
+def check_set_epoch_once(ctx, run) -> bool:
     """set_epoch gets each epoch's number once, before the epoch's batches: called in the batch
-    loop it reorders the rest of the epoch (the DataLoader already drew it) and the next."""
+    loop it reorders the rest of the epoch (the DataLoader already drew it) and the next.
+    True where it gets other numbers (set_epoch(epoch + 1)): no epoch has the single-process
+    run's order."""
     rep = ctx.report
     record = run.ranks[0]
     sampler = train_sampler(record)
     passes = epoch_passes(record, 0)
     if sampler is None or rep.failed(6):
-        return
+        return False
     index = record["samplers"].index(sampler)
     values = [e for i, e in record.get("set_epoch", []) if i == index]
+    shown = ", ".join(map(str, values[:4])) + (", ..." if len(values) > 4 else "")
     if len(values) > len(passes):
-        shown = ", ".join(map(str, values[:4])) + (", ..." if len(values) > 4 else "")
         rep.fail(6, f"set_epoch is called {len(values)} times in {len(passes)} epochs (with "
                  f"{shown}): once per epoch, before its batches, train_sampler.set_epoch(epoch)")
+    elif values and values != list(range(len(values))):
+        # another number than the epoch's: another order than the single-process run's from
+        # the first epoch on, so losses and weights can only be compared once it is right
+        epochs = ", ".join(map(str, range(min(len(values), 4)))) + (", ..." if len(
+            values) > 4 else "")
+        rep.fail(6, f"set_epoch gets {shown} in epochs {epochs}: give it the epoch that "
+                 "starts, train_sampler.set_epoch(epoch), so every epoch reads the "
+                 "single-process run's order")
+        return True
+    return False
 
 
 def check_setup(ctx, run) -> None:
@@ -276,7 +380,7 @@ def check_ddp(ctx, run, ref) -> None:
     ddp = [d for r in records for d in r.get("ddp", [])]
     if ddp:
         rep.attempt(5)
-    if rep.failed(5) or len(records) < 2 or "param_sum" not in records[1]:
+    if rep.failed(5) or len(records) < 2 or any("param_sum" not in r for r in records[:2]):
         return
     same = records[0]["param_sum"] == records[1]["param_sum"]
     if same and ddp:
@@ -336,16 +440,29 @@ def check_saves(ctx, run, ref) -> None:
                  "save0(model, path), which writes on rank 0 only (LOCAL_RANK is 0 on every "
                  "node: it does not pick one process of the job)")
         return
-    check_weights_file(ctx, run, ref, 10, "final_model.pt")
-    check_weights_file(ctx, run, ref, 10, "best_model.pt", ref_name="best_model.pt")
+    for name in ("final_model.pt", "best_model.pt"):
+        elsewhere = [s for s in (run.ranks[0] or {}).get("saves", [])
+                     if Path(s["path"]).name == name and Path(s["path"]).parent != run.out]
+        if elsewhere and not (run.out / name).exists():
+            folder = str(Path(elsewhere[0]["path"]).parent)
+            folder = "the current folder" if folder == "." else folder
+            rep.fail(10, f"{name} is written into {folder} (line {elsewhere[0]['line']}), not "
+                     f"into the run's folder --out-dir: save0(model, out_dir / '{name}')")
+            continue
+        check_weights_file(ctx, run, ref, 10, name, ref_name=name)
 
 
-def check_teardown(ctx, run) -> None:
+def check_teardown(ctx, run, late=None) -> None:
     rep = ctx.report
     destroyed = calls(run, "destroy_process_group") or calls(run, "dist.destroy_process_group")
     if destroyed:
         rep.attempt(11)
-    if not destroyed and not run.ranks[0]["group_alive"]:
+    if late:
+        rep.fail(11, f"the process group is destroyed before the end (line "
+                 f"{destroyed[0]['line']}): after it every rank counts as rank 0, so print0 and "
+                 f"save0 run on every rank (rank {late['rank']} {late['what']}): call "
+                 "destroy_process_group() last, after del model, optimizer")
+    elif not destroyed and not run.ranks[0]["group_alive"]:
         rep.fail(11, "destroy_process_group() is never called: call it at the end of main()")
     elif run.ranks[0]["group_alive"]:
         rep.fail(11, "the process group is still there at the end: del model, optimizer; then "

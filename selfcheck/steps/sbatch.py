@@ -27,6 +27,8 @@ JOB_IDS = ("13377421", "13377422")
 # What a CPU-only node's job sets (the TODO's "a number runs on CPU-only nodes"): the one-node
 # run gets it, so a torchrun that ignores it shows
 NPROC_SET = "2"
+# A port set before the job (sbatch passes the environment on): the job must keep it
+PRESET_PORT = "24680"
 
 
 def show(script, work) -> list[str]:
@@ -40,6 +42,11 @@ def what_of(text: str) -> str:
 def has_todos(text: str) -> bool:
     """Whether a job file is the DDP exercise (its TODO comments), not another job file."""
     return any(re.search(rf"^\s*#\s*TODO {n}\b", text, re.M) for n in TODOS)
+
+
+def source_line(text: str, n: int) -> str:
+    lines = text.splitlines()
+    return lines[n - 1] if 0 < n <= len(lines) else ""
 
 
 def stopped(ctx, job, todo_default=None) -> bool:
@@ -56,6 +63,10 @@ def stopped(ctx, job, todo_default=None) -> bool:
         message = ("a reader stopped a pipeline early (head -n 1, or awk's exit), and the "
                    "writer died of SIGPIPE, which set -o pipefail turns into a failed job: "
                    "read to the end (sed -n 1p, awk '... && !n++')")
+    elif line and "nslookup" in source_line(ctx.text, line) and "exit status" in message:
+        message += (" (nslookup fails where a node has no InfiniBand name, and set -e stops "
+                    "the job there): end the line with || true, an empty answer keeps the "
+                    "plain name")
     elif not message:
         message = f"exit code {job.returncode}"
     where = f"line {line}: " if line else ""
@@ -83,12 +94,26 @@ def check(ctx) -> None:
     directives = two.directives
     nodes = int(str(directives.get("--nodes", "1")).split("-")[0] or 1)
     gpus = slurm.gpus_of(directives)
+    # #SBATCH lines after the first command: sbatch reads them as comments
+    late = {}
+    for line, text in slurm.late_directives(ctx.text):
+        option = slurm.sbatch_directives(text)
+        todo = (12 if slurm.gpus_of(option) or "--gres" in option else 16 if "--nodes" in option
+                else ctx.todo_of(line) or 15)
+        late.setdefault(todo, (line, text))
+    for todo, (line, text) in late.items():
+        rep.fail(todo, f"{text} (line {line}) comes after the first command, and sbatch reads "
+                 "no #SBATCH line after it: move it up with the other #SBATCH lines")
     # TODO 16 and 12 (the #SBATCH lines)
-    if nodes == 2:
+    if 16 in late:
+        pass
+    elif nodes == 2:
         rep.ok(16, "two nodes")
     else:
         rep.fail(16, f"the job asks for {nodes} node(s): #SBATCH --nodes=2 (once one node works)")
-    if gpus != GPUS_PER_NODE:
+    if 12 in late:
+        pass
+    elif gpus != GPUS_PER_NODE:
         rep.fail(12, f"the job asks for {gpus} GPU(s) per node: ask for all "
                  f"{GPUS_PER_NODE} of a node, #SBATCH --gres=gpu:{GPUS_PER_NODE}")
     if stopped(ctx, two) or stopped(ctx, one):
@@ -111,7 +136,23 @@ def check(ctx) -> None:
     check_geometry(ctx, two, one)
     check_srun_cpus(ctx, two)
     check_rendezvous(ctx, two, one)
+    check_preset_port(ctx)
     check_visible(ctx, two)
+
+
+def check_preset_port(ctx) -> None:
+    """A MASTER_PORT set before the job is kept (the TODO's "unless one is set already")."""
+    rep = ctx.report
+    if rep.failed(14) or not rep.judged(14):
+        return
+    job = slurm.submit(ctx.script, ctx.work, nodes=1, job_id=JOB_IDS[1], dns=False,
+                       env_extra={"NPROC_PER_NODE": NPROC_SET, "MASTER_PORT": PRESET_PORT})
+    runs = job.of("torchrun")
+    port = split_endpoint(arg(runs[0]["args"], "--rdzv_endpoint") or "")[1] if runs else None
+    if job.returncode == 0 and port is not None and port != PRESET_PORT:
+        rep.fail(14, f"with MASTER_PORT={PRESET_PORT} set before the job, the job uses port "
+                 f"{port}: keep a port that is set already, export MASTER_PORT="
+                 "${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}")
 
 
 def check_srun_cpus(ctx, job) -> None:
@@ -168,7 +209,14 @@ def check_geometry(ctx, job, one) -> None:
     n_nodes = len(job.nodes)
     counts = job.processes_per_node()
     problems = []
-    if sorted(per_node) != list(range(n_nodes)):
+    tasks = job.directives.get("--ntasks")
+    if sorted(per_node) != list(range(n_nodes)) and tasks and not job.directives.get(
+            "--ntasks-per-node"):
+        problems.append(f"#SBATCH --ntasks={tasks} counts the tasks of the whole job, not of "
+                        f"a node: of {n_nodes} nodes torchrun runs on node(s) "
+                        f"{sorted(per_node)} only; one task on every node, "
+                        "#SBATCH --ntasks-per-node=1")
+    elif sorted(per_node) != list(range(n_nodes)):
         problems.append(f"torchrun runs on node(s) {sorted(per_node)} of {n_nodes}: srun starts "
                         "one task on every node of the job")
     elif any(len(v) > 1 for v in per_node.values()):
@@ -204,6 +252,11 @@ def check_geometry(ctx, job, one) -> None:
             problems.append("the job's own arguments (sbatch FILE --epochs 1) do not reach the "
                             "script: end with \"$SCRIPT\" \"${ARGS[@]}\"")
     one_runs = one.of("torchrun")
+    one_nnodes = arg(one_runs[0]["args"], "--nnodes") if one_runs else None
+    if not problems and one_runs and one_nnodes not in (None, "1", "1:1"):
+        problems.append(f"on one node torchrun has --nnodes={one_nnodes} and waits for the "
+                        "other node(s) to join, which never come: --nnodes="
+                        "\"$SLURM_JOB_NUM_NODES\"")
     if not problems and one_runs and one_runs[0].get("processes") != int(NPROC_SET):
         problems.append(f"with NPROC_PER_NODE={NPROC_SET} set (a CPU-only node) torchrun still "
                         f"starts {one_runs[0].get('processes')} process(es) (--nproc_per_node="
@@ -246,7 +299,15 @@ def check_rendezvous(ctx, two, one) -> None:
     env0 = runs[0].get("env", {})
     host, port = split_endpoint(endpoint)
     if len(endpoints) == 1:
-        if host == "10.10.0.1":
+        lines = host.split("\n")
+        if len(lines) > 1:
+            dns = [l for l in lines if "#" in l]  # (address#port: the DNS server's)
+            rep.fail(13, f"MASTER_ADDR holds {len(lines)} lines, {' and '.join(lines)}"
+                     + (f" ({dns[0]} is the DNS server's: nslookup prints an Address line for "
+                        "it too)" if dns else "")
+                     + ": take only the first line that starts with 'Address: ', "
+                     "awk '/^Address: / && !n++ {print $2}'")
+        elif host == "10.10.0.1":
             rep.ok(13, "the rendezvous is the InfiniBand address of the first node")
         elif host == "10.10.0.2":
             rep.fail(13, "the rendezvous is the LAST node's address: take the first line, "
