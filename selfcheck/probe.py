@@ -396,7 +396,8 @@ class Probe:
             self._check_by_course = (frame is not None and frame.f_code.co_filename !=
                                      probe.script and f"{os.sep}utils{os.sep}" in
                                      frame.f_code.co_filename)
-            record.setdefault("schedules", []).append({
+            self._check_schedule = len(record.setdefault("schedules", []))  # which one is called
+            record["schedules"].append({
                 "kind": type(self).__name__, "microbatches": n_microbatches,
                 "loss_fn": getattr(loss_fn, "__name__", None) if loss_fn else None,
                 "stage": getattr(stage, "_check_built", None),
@@ -418,6 +419,7 @@ class Probe:
                         "training": bool(getattr(getattr(stage, "submod", None), "training",
                                                  True)),
                         "by_course": getattr(self, "_check_by_course", False),
+                        "schedule": getattr(self, "_check_schedule", None),
                         "inside_eval": kind == "step" and probe.evaluating > 0})
             return before
         wrap(PipelineScheduleSingle, "step", before=schedule_call("step"))
@@ -532,6 +534,7 @@ class Probe:
             since["backwards"] += 1
 
         def zero_grad_(self, *a, **k):
+            counted["zero_grads"] = counted.get("zero_grads", 0) + 1  # (the pipeline: any at all)
             if since["backwards"] and not since["depth"]:
                 counted["discarding_zero_grads"] += 1
             since["backwards"] = 0
@@ -541,6 +544,10 @@ class Probe:
         register_optimizer_step_post_hook(step_post)
         wrap(torch.Tensor, "backward", before=backward_)
         wrap(torch.optim.Optimizer, "zero_grad", before=zero_grad_)
+
+        def module_zero_grad(*a, **k):  # model.zero_grad() clears the gradients as well
+            counted["zero_grads"] = counted.get("zero_grads", 0) + 1
+        wrap(torch.nn.Module, "zero_grad", before=module_zero_grad)
 
         # -- the performance step: what AdamW and torch.compile were asked for
         def adamw_init(self, *a, **k):

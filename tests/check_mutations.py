@@ -660,6 +660,47 @@ MISTAKES = [
     ("pp", PP, "the loss broadcast on the last stage only", 38,  # the ranks wait apart
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            if stage.is_last:\n                dist.broadcast(step_loss, src=num_stages - 1)")]),
+    ("pp", PP, "the training schedule built with the summing loss", 36,
+     [("    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)",
+       "    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss_sum)")]),
+    ("pp", PP, "the first and the last stage's parts swapped", 34,  # the run stops
+     [("    if stage_index != 0:\n        model.tok_emb = model.pos_emb = None\n"
+       "    if stage_index != num_stages - 1:\n        model.norm = model.output = None",
+       "    if stage_index != num_stages - 1:\n        model.tok_emb = model.pos_emb = None\n"
+       "    if stage_index != 0:\n        model.norm = model.output = None")]),
+    ("pp", PP, "the kept blocks renumbered from 0 in a new ModuleDict", 34,
+     [("    for name in list(model.layers):\n        if int(name) not in owned:\n"
+       "            del model.layers[name]\n",
+       "    model.layers = torch.nn.ModuleDict({str(i): model.layers[str(n)]\n"
+       "                                        for i, n in enumerate(owned)})\n")]),
+    ("pp", PP, "no zero_grad before schedule.step", 37,
+     [("            optimizer.zero_grad(set_to_none=True)\n            timer.start_step()\n",
+       "            timer.start_step()\n")]),
+    ("pp", PP, "optimizer.step() on the last stage only", 37,  # the ranks wait apart
+     [("            idle_history.append(timer.idle_fraction())\n            optimizer.step()\n",
+       "            idle_history.append(timer.idle_fraction())\n            if stage.is_last:\n"
+       "                optimizer.step()\n")]),
+    ("pp", PP, "schedule.eval without losses=", 40,
+     [("                          target=y if stage.is_last else None, losses=losses)\n"
+       "        if losses",
+       "                          target=y if stage.is_last else None)\n        if losses")]),
+    ("pp", PP, "schedule.eval without target=", 40,  # the last stage's loss_fn stops
+     [("                          target=y if stage.is_last else None, losses=losses)\n"
+       "        if losses",
+       "                          losses=losses)\n        if losses")]),
+    ("pp", PP, "evaluation tokens counted on the last stage only", 40,
+     [("        if losses:\n            loss_sum += torch.stack(losses).sum()\n"
+       "        tokens += (y != IGNORE_INDEX).sum()",
+       "        if losses:\n            loss_sum += torch.stack(losses).sum()\n"
+       "            tokens += (y != IGNORE_INDEX).sum()")]),
+    ("pp", PP, "evaluation with the training schedule", 40,
+     [("val_loss = evaluate(model, val_loader, device, stage, eval_schedule, args.precision)",
+       "val_loss = evaluate(model, val_loader, device, stage, schedule, args.precision)"),
+      ("test_loss = evaluate(model, test_loader, device, stage, eval_schedule, args.precision)",
+       "test_loss = evaluate(model, test_loader, device, stage, schedule, args.precision)")]),
+    ("pp", PP, "the evaluation's microbatch sums averaged", 40,
+     [("            loss_sum += torch.stack(losses).sum()",
+       "            loss_sum += torch.stack(losses).mean()")]),
     # ---- the performance step ----------------------------------------------------------
     ("perf", PERF, "peak_flops and synchronize not imported", 41,
      [("from utils.metrics import peak_flops, synchronize\n", "")]),
@@ -1326,6 +1367,16 @@ MESSAGES = {
     "local_params from the DTensors' global sizes": ("to_local().numel()",),
     "the blocks sharded without the dp mesh": ("mesh=mesh['dp']",),
     "the loss broadcast on the last stage only": ("different collectives",),
+    "the training schedule built with the summing loss": ("lm_loss_sum", "lm_loss), the mean"),
+    "the kept blocks renumbered from 0 in a new ModuleDict": ("del model.layers[name]",
+                                                              "keep their keys"),
+    "no zero_grad before schedule.step": ("optimizer.zero_grad(",),
+    "optimizer.step() on the last stage only": ("stage 0 never called optimizer.step()",),
+    "schedule.eval without losses=": ("losses=losses to schedule.eval",),
+    "schedule.eval without target=": ("target=y",),
+    "evaluation tokens counted on the last stage only": ("outside `if losses:`",),
+    "evaluation with the training schedule": ("eval_schedule",),
+    "the evaluation's microbatch sums averaged": ("torch.stack(losses).sum()",),
     "the logged loss undivided, backward on the divided loss": ("gradients are right",
                                                                  "log the divided loss"),
     "ZeroRedundancyOptimizer for the FSDP layouts too": ("--layout zero1 only",
@@ -1403,6 +1454,18 @@ ONLY_FIXED = {
     "the peak of bf16 written in (an fp32 run's MFU 15 times too small on a GPU)": {42},
     "the peak asked before set_precision (auto: fp32's peak on a GPU in bf16)": {42},
     "the evaluation schedule on the training's stage": {36},
+    # a mistake that trains, or evaluates, another way than one process: the comparisons of the
+    # other TODOs with one process wait for it
+    "the training schedule built with the summing loss": {36},
+    "the first and the last stage's parts swapped": {34},
+    "the kept blocks renumbered from 0 in a new ModuleDict": {34},
+    "no zero_grad before schedule.step": {37},
+    "optimizer.step() on the last stage only": {37},
+    "schedule.eval without losses=": {40},
+    "schedule.eval without target=": {40},
+    "evaluation tokens counted on the last stage only": {40},
+    "evaluation with the training schedule": {40},
+    "the evaluation's microbatch sums averaged": {40},
     "the global batch saved as one rank's batch": {20},
     "the MLP's projections the other way round": {24},
     "k_proj left out of the plan": {24},
@@ -1517,6 +1580,9 @@ CORRECT = [
      [("        with autocast(precision, device):  # the dtypes the stages send in training\n",
        "        with torch.autocast(device.type, dtype=torch.bfloat16,\n"
        "                            enabled=precision == \"bf16\"):\n")]),
+    ("pp", PP, "the evaluation schedule built from --schedule (1F1B evaluates as well)",
+     [('eval_schedule = build_schedule("gpipe", eval_stage,',
+       "eval_schedule = build_schedule(args.schedule, eval_stage,")]),
     ("perf", PERF, "the torch docs' profiler window wait=1 warmup=1 active=3",
      [("PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 2, 3",
        "PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 1, 3")]),

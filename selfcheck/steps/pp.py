@@ -10,6 +10,8 @@ and evaluation.
 
 from __future__ import annotations
 
+import re
+
 from selfcheck.compare import near
 from selfcheck.runs import TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_reads, check_losses,
@@ -49,16 +51,25 @@ def check(ctx) -> None:
     if any(s["given"].get("num_replicas") == 1 for r in records
            for s in sampler_records(r, "DistributedSampler")):
         rep.attempt(35)
+    calls_judged = staged and not ctx.extra.get("pp_crash_explained")
+    # an evaluation that stops midway (schedule.eval without target=) reads part of the split
+    eval_wrong = staged and check_eval_inputs(ctx, run)
     if records[0].get("datasets") and records[1].get("datasets") and (split or staged or
                                                                         ctx.status.get(35) == "edited"):
         check_training_shards(ctx, run, 35, 35, replicas=1, replica_of=lambda r: 0,
                               made_is_attempt=False, given_as="num_replicas=1, rank=0")
-        check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
-                         made_is_attempt=False)
-    if staged and not ctx.extra.get("pp_crash_explained"):
+        if not (eval_wrong and run.crashed):
+            check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
+                             made_is_attempt=False)
+    if calls_judged:
         check_schedule_calls(ctx, run)
+    if run.crashed and not ctx.extra.get("pp_crash_explained") and staged:
+        check_eval_crash(ctx, run)
     if run.crashed and ctx.extra.get("pp_crash_explained"):
         rep.note(f"(full output: {run.dir / 'output.txt'})")  # the FIX line above says why
+        return
+    if run.crashed and rep.failed(34):  # another model than the stages should hold: its
+        rep.note(f"(full output: {run.dir / 'output.txt'})")  # crash follows from TODO 34
         return
     if run.crashed:
         report_crash(ctx, run)
@@ -67,13 +78,22 @@ def check(ctx) -> None:
     if not staged:
         return
     s = run.summary
-    # stages that hold the wrong parts compute another model than one process: every
-    # comparison with it can only differ (TODO 34's FIX says why)
-    other_model = rep.failed(34)
-    until = ("once each stage holds its part of the model (TODO 34): until then the pipeline "
-             "computes another model than one process")
+    # stages that hold the wrong parts compute another model than one process, a training
+    # schedule on the summed loss or steps that keep old gradients train another way: every
+    # comparison with it can only differ (the FIX line above says why)
+    until = None
+    if rep.failed(34):
+        until = ("once each stage holds its part of the model (TODO 34): until then the "
+                 "pipeline computes another model than one process")
+    elif ctx.extra.get("pp_training_loss"):
+        until = ("once the training schedule takes lm_loss (TODO 36): until then it trains on "
+                 "the sums of the microbatches' losses")
+    elif ctx.extra.get("pp_training_differs"):
+        until = "once the steps train like one process (TODO 37's FIX)"
+    other_model = until is not None
     if other_model:
-        rep.waits(37, f"the training is compared with one process's {until}")
+        if not rep.failed(37):
+            rep.waits(37, f"the training is compared with one process's {until}")
         rep.waits(38, f"the logged losses are compared with one process's {until}")
     else:
         logged_right = check_losses(ctx, run, ref, 38, twice=(  # the check runs 2 microbatches
@@ -100,6 +120,8 @@ def check(ctx) -> None:
         rep.ok(40, "validation and test losses equal the single-process run")
     elif other_model:
         rep.waits(40, f"the validation and test losses are compared with one process's {until}")
+    elif rep.failed(40):
+        pass  # the FIX line says what evaluate gives schedule.eval
     elif ctx.extra.get("pp_shared_stage"):
         rep.waits(40, "the losses are compared once TODO 36 gives the evaluation its own stage "
                   "(the steps after an evaluation train differently without one)")
@@ -109,6 +131,10 @@ def check(ctx) -> None:
                 "the last stage")
         if evals and near(s["val_loss"], 0.0, 0, 1e-6):
             hint = "the loss sum exists on the last stage only: broadcast it from there"
+        elif evals and near(s["val_loss"] * MICROBATCHES, ref.summary["val_loss"]):
+            hint = (f"1/{MICROBATCHES} of it, with {MICROBATCHES} microbatches: the mean of the "
+                    "microbatches' loss sums instead of their sum, loss_sum += "
+                    "torch.stack(losses).sum()")
         rep.fail(40, f"validation loss {s['val_loss']:.5f}, single process "
                  f"{ref.summary['val_loss']:.5f}: {hint}")
     if calls(run, "dcp.save"):
@@ -125,7 +151,11 @@ def check(ctx) -> None:
             rep.fail(39, "no best_model folder: dcp.save(model.state_dict(), "
                      "checkpoint_id=out_dir / 'best_model') where validation improves")
         elif not ctx.extra.get("pp_shared_stage") and not other_model:
-            check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
+            if near(s["val_loss"], ref.summary["val_loss"]):
+                check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
+            else:  # the validation losses choose the step whose weights are the best
+                rep.waits(39, "best_model is compared with one process's once the validation "
+                          "loss is (TODO 40): it decides which step's weights are saved there")
     else:
         saved_by = sorted({r for r, record in enumerate(run.ranks) if record and any(
             c["name"] == "dcp.save" for c in record.get("calls", []))})
@@ -168,7 +198,13 @@ def check_split(ctx, run, n_layers) -> bool:
         parts = r["parts"]
         stage = asked[rank] if asked[rank] is not None and 0 <= asked[rank] < world else rank
         first, last = stage == 0, stage == world - 1
-        if r["layers"] != want_layers[stage]:
+        if r["layers"] != want_layers[stage] and r["layers"] == list(range(
+                len(want_layers[stage]))):
+            problems.append(f"stage {stage}'s blocks are named {r['layers']}, expected "
+                            f"{want_layers[stage]}: keep the blocks in model.layers and delete "
+                            "the others (del model.layers[name]) so that the kept ones keep "
+                            "their keys, and the checkpoint keys stay the whole model's")
+        elif r["layers"] != want_layers[stage]:
             problems.append(f"stage {stage} holds blocks {r['layers']}, expected "
                             f"{want_layers[stage]}")
         for name in ("tok_emb", "pos_emb"):
@@ -230,21 +266,20 @@ def check_stages(ctx, run) -> bool:
                             "evaluation, both PipelineStage(model, stage_index, num_stages, "
                             "device)")
             break
-        kinds = {}
-        for s in sc:
-            kinds.setdefault(s["kind"], s)
-        if "Schedule1F1B" not in kinds:
-            problems.append(f"--schedule 1f1b built {sorted(kinds) or 'no schedule'}: "
+        train, evaluation = built_schedules(records[rank])
+        if train is None or train["kind"] != "Schedule1F1B":
+            kinds = sorted({s["kind"] for s in sc})
+            problems.append(f"--schedule 1f1b built {kinds or 'no schedule'}: "
                             "build_schedule(args.schedule, stage, args.microbatches, lm_loss)")
             break
-        if kinds["Schedule1F1B"]["microbatches"] != MICROBATCHES:
+        if train["microbatches"] != MICROBATCHES:
             problems.append(f"--microbatches {MICROBATCHES} (of {BATCH // MICROBATCHES} "
                             f"sequences each) built a schedule of "
-                            f"{kinds['Schedule1F1B']['microbatches']} microbatches: "
+                            f"{train['microbatches']} microbatches: "
                             "build_schedule(args.schedule, stage, args.microbatches, lm_loss), "
                             "the number of microbatches, not their size")
             break
-        if not kinds["Schedule1F1B"]["loss_fn"]:
+        if not train["loss_fn"]:
             problems.append(f"rank {rank}'s training schedule has no loss_fn: torch runs no "
                             "backward for a schedule without one, so this stage never sends "
                             "or receives gradients; build_schedule(args.schedule, stage, "
@@ -252,13 +287,24 @@ def check_stages(ctx, run) -> bool:
                             "calls it)")
             ctx.extra["pp_crash_explained"] = True
             break
-        if "ScheduleGPipe" not in kinds or kinds["ScheduleGPipe"]["loss_fn"] != "lm_loss_sum":
+        if train["loss_fn"] == "lm_loss_sum":
+            problems.append("the training schedule sums the losses of a microbatch "
+                            "(lm_loss_sum): build_schedule(args.schedule, stage, "
+                            "args.microbatches, lm_loss), the mean, as one process trains on; "
+                            "lm_loss_sum is the evaluation's (evaluate divides its sums by the "
+                            "tokens)")
+            ctx.extra["pp_training_loss"] = True
+            break
+        if evaluation is None or evaluation["loss_fn"] != "lm_loss_sum":
             problems.append("no evaluation schedule: eval_schedule = build_schedule('gpipe', "
                             "eval_stage, args.microbatches, lm_loss_sum) (it sums, evaluate "
-                            "divides)")
+                            "divides)" if evaluation is None else
+                            f"the evaluation schedule's loss_fn is {evaluation['loss_fn']}: "
+                            "eval_schedule = build_schedule('gpipe', eval_stage, "
+                            "args.microbatches, lm_loss_sum) (it sums, evaluate divides)")
             break
-        shared = kinds["ScheduleGPipe"].get("stage")
-        if shared is not None and shared == kinds["Schedule1F1B"].get("stage"):
+        shared = evaluation.get("stage")
+        if shared is not None and shared == train.get("stage"):
             problems.append("eval_schedule runs on the training's stage: give it its own, "
                             "eval_stage = PipelineStage(model, stage_index, num_stages, device) "
                             "(a schedule prepares its stage at its first call: the first "
@@ -275,17 +321,44 @@ def check_stages(ctx, run) -> bool:
         rep.fail(36, problems[0])
     elif not rep.failed(36):
         idle = summary.get("idle_fraction_per_stage")
-        rep.ok(36, f"{len(records)} stages, a 1F1B schedule for training and GPipe for "
-               "evaluation, each on its own PipelineStage"
+        evaluation = built_schedules(records[0])[1]
+        rep.ok(36, f"{len(records)} stages, a 1F1B schedule for training and "
+               f"a {evaluation['kind'].removeprefix('Schedule')} one for evaluation, each on its "
+               "own PipelineStage"
                + (f"; measured idle share per stage {' '.join(f'{f:.0%}' for f in idle)}"
                   if idle else ""))
     return True
 
 
+def script_calls(record, kind) -> list[dict]:
+    """The script's own schedule.step or schedule.eval calls (not the steps torch's eval runs
+    inside, nor the course's drawing of the schedule)."""
+    return [c for c in record.get("schedule_calls", []) if c["kind"] == kind
+            and not c.get("by_course") and not c.get("inside_eval")]
+
+
+def built_schedules(record) -> tuple[dict | None, dict | None]:
+    """(training, evaluation) schedule of a rank: the ones its schedule.step and schedule.eval
+    ran on, else (not called yet) the first and the second it built. The evaluation schedule is
+    one other than the training's: evaluate given the training schedule is TODO 40's."""
+    built = record.get("schedules", [])
+    own = [i for i, s in enumerate(built) if not s.get("by_course")]
+
+    def used(kind, other=None):
+        found = [c.get("schedule") for c in script_calls(record, kind)]
+        return next((i for i in found if i in own and i != other), None)
+    train = used("step")
+    train = train if train is not None else (own[0] if own else None)
+    evaluation = used("eval", train)
+    if evaluation is None:
+        evaluation = next((i for i in own if i != train), None)
+    return (built[train] if train is not None else None,
+            built[evaluation] if evaluation is not None else None)
+
+
 def check_schedule_calls(ctx, run) -> None:
     rep = ctx.report
-    steps = [(rank, c) for rank, r in enumerate(run.ranks) for c in r.get("schedule_calls", [])
-             if c["kind"] == "step"]
+    steps = [(rank, c) for rank, r in enumerate(run.ranks) for c in script_calls(r, "step")]
     if not steps:
         text = "the loop still runs the model itself: schedule.step(...) runs the pipeline"
         if ctx.status.get(37) == "not started":
@@ -307,9 +380,76 @@ def check_schedule_calls(ctx, run) -> None:
             rep.fail(37, "the last stage must pass target=y and losses=losses (a list that "
                      "receives the microbatch losses)")
             return
+    # every stage holds its own part of the weights: each steps its optimizer, and zeroes the
+    # gradients first (the schedule adds to what .grad holds)
+    counts = [r.get("optimizer_calls") or {} for r in run.ranks]
+    idle = [rank for rank, (r, n) in enumerate(zip(run.ranks, counts, strict=True))
+            if script_calls(r, "step") and not n.get("steps")]
+    if idle and (len(idle) < len(run.ranks) or not run.crashed):
+        rep.fail(37, f"stage {' and '.join(map(str, idle))} never called optimizer.step(): "
+                 "every stage steps its own optimizer after schedule.step (each holds its own "
+                 "part of the weights)")
+        ctx.extra["pp_crash_explained"] = run.crashed  # (the ranks then wait apart)
+        ctx.extra["pp_training_differs"] = True
+        return
+    if any(n.get("steps", 0) >= 2 and not n.get("zero_grads") for n in counts):
+        rep.fail(37, "optimizer.zero_grad() is never called: optimizer.zero_grad("
+                 "set_to_none=True) before schedule.step (the schedule adds this step's "
+                 "gradients to those .grad holds: without it every step trains on the sum of "
+                 "the gradients of all steps so far)")
+        ctx.extra["pp_training_differs"] = True
 
 
+def check_eval_inputs(ctx, run) -> bool:
+    """TODO 40: evaluate runs the evaluation schedule, given what schedule.step is given. True
+    when it is not (a FIX line says what to change)."""
+    rep = ctx.report
+    last = len(run.ranks) - 1
+    for rank, r in enumerate(run.ranks):
+        train = built_schedules(r)[0]
+        built = r.get("schedules", [])
+        for c in script_calls(r, "eval"):
+            on = built[c["schedule"]] if c.get("schedule") is not None else None
+            if on is not None and on is train:
+                text = ("evaluate runs the training schedule: evaluate(model, loader, device, "
+                        "stage, eval_schedule, args.precision), for validation and test "
+                        f"(the training schedule's {train['loss_fn']} averages and is prepared "
+                        "for training; eval_schedule's lm_loss_sum sums, evaluate divides)")
+            elif rank == 0 and c["args"] != 1:
+                text = ("the first stage must pass the tokens: schedule.eval(x, ...) on the "
+                        "first stage, as in schedule.step")
+            elif rank == last and not c["target"]:
+                text = ("the last stage must pass the targets: schedule.eval(..., target=y if "
+                        "stage.is_last else None, losses=losses) (the loss_fn gets them)")
+            elif rank == last and not c["losses"]:
+                text = ("the last stage must pass losses=losses to schedule.eval: the "
+                        "microbatch losses land in that list, loss_sum adds them up (without "
+                        "it, it stays 0)")
+            else:
+                continue
+            rep.attempt(40)
+            rep.fail(40, text)
+            if run.crashed:
+                ctx.extra["pp_crash_explained"] = True  # the evaluation stopped midway
+            return True
+    return False
 
+
+def check_eval_crash(ctx, run) -> None:
+    """TODO 40: a stage before the last whose validation loss is not finite (stop_if_not_finite
+    stopped it) while the last stage's was: evaluate returns another loss on that stage."""
+    f = run.failure
+    m = re.search(r"validation loss is (inf|nan)", f.message if f else "")
+    if not m or f.rank is None or f.rank == len(run.ranks) - 1:
+        return
+    what = {"inf": "counted no tokens: count them on every stage (tokens += (y != "
+                   "IGNORE_INDEX).sum() outside `if losses:`, every stage has y)",
+            "nan": "has neither the loss sum nor the tokens: broadcast loss_sum from the last "
+                   "stage, and count the tokens on every stage (outside `if losses:`)"}
+    ctx.report.fail(40, f"stage {f.rank}'s validation loss is {m.group(1)}, the last stage's "
+                    f"is not: evaluate must return the same loss on every stage; stage {f.rank} "
+                    f"{what[m.group(1)]}")
+    ctx.extra["pp_crash_explained"] = True
 
 
 def check_eval_calls(ctx, run) -> None:
