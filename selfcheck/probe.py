@@ -1063,17 +1063,18 @@ class _StandInEvent:
 
 
 class _StandInProfiler:
-    """A stopped profiler of 3 steps of 10 ms on the CPU each, with `kernel_ms` of kernels per
+    """A stopped profiler of 4 steps of 10 ms on the CPU each, with `kernel_ms` of kernels per
     step on a GPU (0: a CPU run): what gpu_busy (TODO 59) reads, without a GPU. As torch's
-    key_averages() does, the steps are one row, "ProfilerStep*", that counts them."""
+    key_averages() does, the steps are one row, "ProfilerStep*", that counts them. (Four, not
+    the lesson's 3 active steps: a gpu_busy that divides by PROFILE_ACTIVE shows.)"""
 
     def __init__(self, kernel_ms: float):
-        mm, add = 0.8 * kernel_ms * 3e3, 0.2 * kernel_ms * 3e3  # µs over the 3 steps
+        mm, add = 0.8 * kernel_ms * 4e3, 0.2 * kernel_ms * 4e3  # µs over the 4 steps
         # an operator's own (self) CPU time leaves out the operators inside it
-        self.rows = [_StandInEvent("ProfilerStep*", 3, 30e3, 19e3, 0.0, kernel_ms * 3e3),
-                     _StandInEvent("aten::mm", 30, 6e3, 6e3, mm, mm),
-                     _StandInEvent("aten::add", 30, 2e3, 2e3, add, add),
-                     _StandInEvent("aten::linear", 30, 9e3, 3e3, 0.0, mm)]  # mm runs inside it
+        self.rows = [_StandInEvent("ProfilerStep*", 4, 40e3, 26e3, 0.0, kernel_ms * 4e3),
+                     _StandInEvent("aten::mm", 40, 8e3, 8e3, mm, mm),
+                     _StandInEvent("aten::add", 40, 2e3, 2e3, add, add),
+                     _StandInEvent("aten::linear", 40, 12e3, 4e3, 0.0, mm)]  # mm runs inside
 
     def key_averages(self, *a, **k):
         return self.rows

@@ -76,9 +76,13 @@ def check(ctx) -> None:
         elif failure is not None and check_sizes(ctx, run, failure):
             pass
         elif not (in_ring and rep.failed(RING_PARTS[failure.func])):  # else: said more exactly
-            report_crash(ctx, run, cause=RING_CAUSE if in_ring and (
-                failure.kind in ("hung", "timeout") or failure.peer or "size" in
-                failure.message) else None)
+            adding = re.search(r"The size of tensor a \(\d+\) must match", failure.message)
+            report_crash(ctx, run, cause=(
+                "a received chunk added into a chunk of another size: add it into the chunk "
+                "it was received for, chunks[into] += received (into = (rank - s - 1) % n)"
+                if in_ring and adding else RING_CAUSE if in_ring and (
+                    failure.kind in ("hung", "timeout") or failure.peer or "size" in
+                    failure.message) else None))
         rep.note(f"(full output: {run.dir / 'output.txt'})")
 
 

@@ -36,7 +36,7 @@ STEP = re.compile(r"\bstep\s*(\d+)\b", re.I)
 FLOPS = re.compile(r"([\d.]+(?:e[+-]?\d+)?)\s*([kMGTP]?)FLOP/?s", re.I)
 PHASES = {"forward": ("forward", "fwd", "model(", "logits", "loss_fn"),
           "backward": ("backward", "bwd"),
-          "optimizer": ("optim",), "communication": ("comm", "all_reduce", "allreduce",
+          "optimizer": ("optim", "adam", "update", "sgd"), "communication": ("comm", "all_reduce", "allreduce",
                                                       "reduce")}
 
 
@@ -67,15 +67,20 @@ def check(ctx) -> None:
                 extra=["--profile", "--max-steps", "1", "--compile"])
     # a stand-in GPU (selfcheck/standin.py): the default --precision auto, a report every
     # second step
+    # (--compile-mode without --compile: nothing may be compiled, TODO 63)
     gpu = Run(ctx.work, "stand-in gpu", ctx.script, BATCH, geometry=ONE_NODE_TWO, gpu=True,
-              optional=OPTIONAL, extra=["--profile", "--max-steps", "8", "--log-every", "2"])
+              optional=OPTIONAL, extra=["--profile", "--max-steps", "8", "--log-every", "2",
+                                        "--compile-mode", COMPILE_MODE])
     for r in (ref, run, fast, short, gpu):
         r.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     for r in (run, fast):
         if r.crashed:
-            report_crash(ctx, r)
+            if r is run and r.failure and crash_todo(ctx, r.failure) == 59 and r.ranks[0]:
+                check_gpu_busy(ctx, run, profiling=False)  # what it returned says more
+            if not rep.failed(59) or crash_todo(ctx, r.failure) != 59:
+                report_crash(ctx, r)
             rep.note(f"(full output of the {r.name} run: {r.dir / 'output.txt'})")
             return
     check_imports(ctx, 41, run)
@@ -92,7 +97,7 @@ def check(ctx) -> None:
     check_padding(ctx, run, short)
     check_loss_compiled(ctx, run, short)
     check_ddp_for_one_process(ctx, run, fast)
-    check_compile_mode(ctx, fast)
+    check_compile_mode(ctx, fast, run, gpu)
 
 
 def number(text: str, unit: str = "") -> float:
@@ -138,14 +143,28 @@ def check_reports(ctx, run) -> None:
                  "(synchronize(device), then rate = interval_tokens / elapsed) and print "
                  "'... <rate> tokens/s MFU <x>%' with the loss")
         return
-    if not peak_said:
+    printed = [number(m.group(1), m.group(2)) for m in FLOPS.finditer(output)]
+    off = next((f for f in (1e3, 1e-3, 1e6, 1e-6) if any(near(p, PEAK_FLOPS * f, 0.02)
+                                                          for p in printed)), None)
+    if not peak_said and off:
+        rep.fail(42, f"the peak printed is {off:g} x what peak_flops returns: a unit's power of "
+                 "ten is off (TFLOP/s is peak / 1e12)")
+    elif not peak_said:
         rep.fail(42, "nothing printed says what MFU divides by: print the peak of one device "
                  "that peak_flops(device, args.precision) returns, and where it comes from")
     if len({s for s, _, _ in reports}) < steps:
         rep.fail(42, f"{len(reports)} step lines report tokens/s and MFU, the run logged "
                  f"{steps} steps (--log-every 1): report at every log step")
         return
+    theirs = monitor_rates(r0)
+    ratios = [t / theirs[s] for s, t, _ in reports if theirs.get(s)]
     bad = [(s, t, m) for s, t, m in reports if not (t > 0 and 0 < m <= 100)]
+    if bad and ratios and not 0.75 <= statistics.median(ratios) <= 1.33:
+        # an MFU that rounds to 0 %: the rate is what is wrong
+        median = statistics.median(ratios)
+        rep.fail(42, f"the tokens/s printed are {median:.2g} x the course monitor's for the "
+                 f"same steps: {rate_hint(median, ratios, world)}")
+        return
     if bad:
         s, t, m = bad[0]
         hundred = t > 0 and near(m / (t * flops / (PEAK_FLOPS * world)), 10000, 0.05)
@@ -157,7 +176,6 @@ def check_reports(ctx, run) -> None:
     # tokens/s first: a rate of one rank with MFU over one device's peak gives the right MFU,
     # and fixing the MFU alone would make it wrong. The course monitor's line of the same step
     # measures the same interval (utils/monitor.py): the script's rate should agree with it.
-    theirs = monitor_rates(r0)
     monitor = r0.get("monitor_lines", [])
     agree = [(s, t / theirs[s]) for s, t, _ in reports if theirs.get(s)]
     off = [(s, q) for s, q in agree if not 0.75 <= q <= 1.33]
@@ -166,10 +184,7 @@ def check_reports(ctx, run) -> None:
     if len(agree) >= 3 and len(off) >= 2:
         qs = [q for _, q in agree]
         step, q = off[0]
-        one_rank = all(abs(q * world - 1) < 0.15 for q in qs)
-        how = ("count the tokens of all ranks, interval_tokens += x.numel() * world_size"
-               if one_rank else "the rate of the interval since the last report: after each "
-               "report, interval_tokens, interval_start = 0, time.perf_counter()")
+        how = rate_hint(statistics.median(qs), qs, world)
         rep.fail(42, f"step {step} prints {q:.2g} x the tokens/s of the course monitor's line "
                  f"for the same step: {how}")
         return
@@ -246,6 +261,24 @@ def check_reports(ctx, run) -> None:
                "against the peak it prints")
 
 
+def rate_hint(median: float, ratios: list, world: int) -> str:
+    """What to change where the printed tokens/s are `median` x the course monitor's."""
+    if all(abs(q * world - 1) < 0.15 for q in ratios):
+        return "count the tokens of all ranks, interval_tokens += x.numel() * world_size"
+    if near(median, 1 / SEQ_LEN, 0.15) or near(median, 1 / (SEQ_LEN * world), 0.15):
+        return ("count tokens, not sequences: interval_tokens += x.numel() * world_size (len(x) "
+                "is the batch's rows)")
+    if near(median, 1e-3, 0.3) or near(median, 1e3, 0.3):
+        return ("time.perf_counter() counts seconds: rate = interval_tokens / elapsed seconds "
+                "(no factor of 1000)")
+    if median > 1:
+        return ("the time counted is shorter than the interval: start the clock only after "
+                "each report and at each epoch's start (interval_start = time.perf_counter()), "
+                "not inside the step")
+    return ("the rate of the interval since the last report: after each report, "
+            "interval_tokens, interval_start = 0, time.perf_counter()")
+
+
 def monitor_rates(record) -> dict[int, float]:
     """step -> the tokens/s of the course monitor's line for it (utils/monitor.py), which
     measures the same interval as the script's own report."""
@@ -313,6 +346,13 @@ def check_profiler(ctx, run, short, profiling) -> set:
                  "rank's file after its rank, tensorboard_trace_handler(..., "
                  "worker_name=f'rank{rank}')")
         return user_ranges(trace_events(written[0]))
+    elsewhere = sorted(run.out.rglob("*.pt.trace.json")) if not written else []
+    if elsewhere:
+        folder = elsewhere[0].parent.relative_to(run.out)
+        rep.fail(43, f"the traces are in OUT_DIR/{folder}".rstrip("/.") + ", not "
+                 "OUT_DIR/profile, where the course's tools look: tensorboard_trace_handler("
+                 "str(out_dir / 'profile'), worker_name=f'rank{rank}')")
+        return user_ranges(trace_events(elsewhere[0]))
     if not written:
         rep.fail(43, "--profile wrote no trace into OUT_DIR/profile: profiler = "
                  "make_profiler(out_dir, rank, device, steps_available), profiler.step() after "
@@ -511,8 +551,14 @@ def check_gpu_busy(ctx, run, profiling) -> None:
                  "(kernel ms per step, step ms)")
         return
     kernels, step = value
-    if not near(step, 10.0, 0.01):
-        rep.fail(59, f"a profile of three 10 ms steps gives {step:g} ms per step: the CPU time "
+    if near(step, 6.0, 0.01) and near(kernels, 10.0, 0.01):
+        rep.fail(59, "gpu_busy returns (10, 6) for kernels of 6 ms in steps of 10 ms: the two "
+                 "are swapped, return (kernel ms per step, step ms)")
+    elif any(near(v, 1e3 * w, 0.01) for v, w in ((step, 10.0), (kernels, 6.0))):
+        rep.fail(59, f"gpu_busy returns {kernels:g} and {step:g} for kernels of 6 ms in steps "
+                 "of 10 ms: the profiler counts microseconds, divide by 1e3 for ms")
+    elif not near(step, 10.0, 0.01):
+        rep.fail(59, f"a profile of four 10 ms steps gives {step:g} ms per step: the CPU time "
                  "of the 'ProfilerStep*' row of key_averages() (cpu_time_total: its "
                  "self_cpu_time_total leaves out the operators the step ran), divided by the "
                  "steps it counts (its count)")
@@ -523,7 +569,8 @@ def check_gpu_busy(ctx, run, profiling) -> None:
     elif not (isinstance(cpu.get("value"), list) and cpu["value"][:1] == [0.0]):
         rep.fail(59, f"a CPU profile (no kernels) gives {cpu.get('value', cpu.get('error'))}: "
                  "its kernel time is 0 (then say there is no GPU to compare with)")
-    elif profiling and not any("busy" in p["text"].lower() for p in r0.get("prints", [])):
+    elif profiling and not any(re.search(r"busy|kernel|idle|wait", p["text"], re.I)
+                               for p in r0.get("prints", [])):
         rep.fail(59, "nothing printed after the profile says how busy the GPU was: print0 the "
                  "two numbers (on a CPU: that there is no GPU to compare with)")
     else:
@@ -617,9 +664,19 @@ def check_ddp_for_one_process(ctx, run, fast) -> None:
         rep.ok(62, "one process trains without DDP, two ranks with it")
 
 
-def check_compile_mode(ctx, fast) -> None:
-    """TODO 63: --compile-mode reaches every torch.compile call, the blocks' and the loss's."""
+def check_compile_mode(ctx, fast, run, gpu) -> None:
+    """TODO 63: --compile-mode reaches every torch.compile call, the blocks' and the loss's,
+    and compiles nothing without --compile (the stand-in GPU run gives the mode alone)."""
     rep = ctx.report
+    alone = (gpu.ranks[0] or {}).get("compile_calls", []) if gpu.ranks and not gpu.crashed \
+        else []
+    unasked = (run.ranks[0] or {}).get("compile_calls", [])  # (TODO 61's, without any option)
+    if alone and not unasked:
+        rep.attempt(63)
+        rep.fail(63, f"--compile-mode {COMPILE_MODE} without --compile compiles "
+                 f"{alone[0]['what']}: the mode changes how --compile compiles, so compile "
+                 "again in it only with --compile, if args.compile and args.compile_mode ...")
+        return
     calls = fast.ranks[0].get("compile_calls", [])
     has_flag = "--compile-mode" not in fast.ranks[0].get("parser", {}).get("missing", [])
     if not has_flag:
