@@ -385,7 +385,10 @@ class Probe:
         def stage_init(self, submodule, stage_index, num_stages, *a, **k):
             self._check_built = len(record["stages"])  # which one a schedule runs on
             record["stages"].append({"stage_index": int(stage_index),
-                                     "num_stages": int(num_stages)})
+                                     "num_stages": int(num_stages),
+                                     # the module it wraps: the evaluation's stage wraps the
+                                     # training model itself, not a copy of its first weights
+                                     "module": id(submodule)})
         wrap(pl.PipelineStage, "__init__", before=stage_init)
         from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
@@ -420,7 +423,10 @@ class Probe:
                                                  True)),
                         "by_course": getattr(self, "_check_by_course", False),
                         "schedule": getattr(self, "_check_schedule", None),
-                        "inside_eval": kind == "step" and probe.evaluating > 0})
+                        "inside_eval": kind == "step" and probe.evaluating > 0,
+                        # a padded batch's rows and its targets that count nowhere
+                        "targets": [int(target.shape[0]), int((target == ud.IGNORE_INDEX).sum())]
+                        if isinstance(target, torch.Tensor) and target.dim() else None})
             return before
         wrap(PipelineScheduleSingle, "step", before=schedule_call("step"))
         if hasattr(PipelineScheduleSingle, "eval"):  # (torch's eval calls step)
@@ -690,6 +696,11 @@ class Probe:
             message = ""
         else:
             message = f"{type(e).__name__}: {e}"
+            wrapped = " ".join(str(e).split())
+            if e.__cause__ is not None and "failed to run" in wrapped:
+                # a pipeline stage wraps the error of the model's code: that one says what
+                stage = wrapped.split(" args:")[0].rstrip(":")
+                message = f"{type(e.__cause__).__name__}: {e.__cause__} ({stage})"
         return {"type": type(e).__name__, "message": message.strip()[:600],
                 "exit": exit_message is not None, "frames": frames[-40:]}
 

@@ -119,6 +119,9 @@ KNOWN_CAUSES = [
      "a sampler's rank numbers the replica that reads the shard, below its num_replicas: "
      "give both from the same count (num_replicas=dp_size, rank=dp_rank with a dp mesh; "
      "num_replicas=world_size, rank=rank without)"),
+    (r"index out of range in self",
+     "a number that is no token id went into the embedding: the inputs are token ids, "
+     "0 to the vocabulary size - 1 (pad inputs with 0; IGNORE_INDEX is for the targets only)"),
     (r"unrecognized arguments: (true|false|[\d.]+)\b",
      "an option takes no value (action='store_true') where the course gives it one "
      "(--reshard-after-forward false): add_argument(name, choices=['true', 'false'], "

@@ -2,7 +2,7 @@
 
 Your script runs as two nodes with one process each (stage index = global rank, so a local
 rank in its place shows), with 2 microbatches of 4 (a count and a size that differ, so one in
-the other's place shows), next to the DDP solution in one process with the same batch. An epoch
+the other's place shows) and --layers-per-stage given, next to the DDP solution in one process with the same batch. An epoch
 is 5 steps: the run trains 7, so that 2 come after an evaluation. The check looks at what every
 stage holds, how each calls the schedule, where the logged loss comes from, and the checkpoints
 and evaluation.
@@ -29,6 +29,9 @@ MICROBATCHES = 2
 # a stage the evaluation left without gradients, or a model left in eval mode. (Few steps:
 # microbatches add up in another order, and Adam amplifies it.)
 SHORT = ["--max-steps", "7"]
+# The tiny model's 2 blocks split only one way in 2 stages: given the counts all the same, the
+# check sees whether split_pipeline_stage receives them (an uneven split on the cluster needs it)
+LAYERS_PER_STAGE = "1,1"
 
 
 def check(ctx) -> None:
@@ -36,7 +39,8 @@ def check(ctx) -> None:
     ref = Run(ctx.work, "reference", ctx.root / "solutions/train/to_distributed_training.py",
               BATCH, extra=SHORT, reference=True)
     run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES,
-              extra=["--microbatches", str(MICROBATCHES), "--schedule", "1f1b", *SHORT])
+              extra=["--microbatches", str(MICROBATCHES), "--schedule", "1f1b",
+                     "--layers-per-stage", LAYERS_PER_STAGE, *SHORT])
     ref.wait(), run.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
@@ -63,6 +67,8 @@ def check(ctx) -> None:
                              made_is_attempt=False)
     if calls_judged:
         check_schedule_calls(ctx, run)
+    if staged:
+        check_broadcasts(ctx, run)
     if run.crashed and not ctx.extra.get("pp_crash_explained") and staged:
         check_eval_crash(ctx, run)
     if run.crashed and ctx.extra.get("pp_crash_explained"):
@@ -125,12 +131,25 @@ def check(ctx) -> None:
     elif ctx.extra.get("pp_shared_stage"):
         rep.waits(40, "the losses are compared once TODO 36 gives the evaluation its own stage "
                   "(the steps after an evaluation train differently without one)")
+    elif ctx.extra.get("pp_eval_copy"):
+        rep.waits(40, "the losses are compared once TODO 36's eval_stage wraps the model that "
+                  "trains (a copy evaluates its untrained weights)")
     else:
         hint = ("evaluate(model, loader, device, stage, eval_schedule, args.precision): "
                 "schedule.eval through the pipeline, pad the last batch, broadcast loss_sum from "
                 "the last stage")
         if evals and near(s["val_loss"], 0.0, 0, 1e-6):
             hint = "the loss sum exists on the last stage only: broadcast it from there"
+        elif evals and padded_without_ignore(records):
+            hint = ("the padded rows' targets count: pad the targets with IGNORE_INDEX, "
+                    "y.new_full((pad, y.shape[1]), IGNORE_INDEX) (tokens 0 for x only), so that "
+                    "padding samples count neither in the loss nor in the tokens")
+        elif evals and (share := real_share(records)) and all(
+                near(s[k], ref.summary[k] * f) for k, f in zip(("val_loss", "test_loss"), share,
+                                                               strict=True)):
+            hint = ("the tokens counted include the padding (the loss is the single-process one "
+                    "times real/padded tokens): count only real targets, tokens += (y != "
+                    "IGNORE_INDEX).sum()")
         elif evals and near(s["val_loss"] * MICROBATCHES, ref.summary["val_loss"]):
             hint = (f"1/{MICROBATCHES} of it, with {MICROBATCHES} microbatches: the mean of the "
                     "microbatches' loss sums instead of their sum, loss_sum += "
@@ -153,6 +172,10 @@ def check(ctx) -> None:
         elif not ctx.extra.get("pp_shared_stage") and not other_model:
             if near(s["val_loss"], ref.summary["val_loss"]):
                 check_weights_file(ctx, run, ref, 39, "best_model", ref_name="best_model.pt")
+            elif ctx.extra.get("pp_eval_copy"):
+                rep.waits(39, "best_model is compared with one process's once TODO 36's "
+                          "eval_stage wraps the model that trains: the validation losses decide "
+                          "which step's weights are saved there")
             else:  # the validation losses choose the step whose weights are the best
                 rep.waits(39, "best_model is compared with one process's once the validation "
                           "loss is (TODO 40): it decides which step's weights are saved there")
@@ -193,6 +216,12 @@ def check_split(ctx, run, n_layers) -> bool:
                  "args.layers_per_stage), the stage index from the global rank, as for the "
                  "PipelineStage")
         ctx.extra["pp_crash_explained"] = True
+    ignored = [rank for rank, r in enumerate(records) if split_counts(r) is None]
+    if ignored and not other:
+        rep.fail(36, f"--layers-per-stage {LAYERS_PER_STAGE} never reached split_pipeline_stage "
+                 f"(rank {ignored[0]} called it without counts): split_pipeline_stage(model, "
+                 "stage_index, num_stages, args.layers_per_stage), so that an uneven split "
+                 "(--layers-per-stage 3,5) is the one the stages hold")
     problems = []
     for rank, r in enumerate(records):
         parts = r["parts"]
@@ -234,6 +263,16 @@ def split_index(record) -> int | None:
     args, kwargs = calls[0]["args"], calls[0]["kwargs"]
     index = args[1] if len(args) > 1 else kwargs.get("stage_index")
     return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
+def split_counts(record):
+    """What the rank gave split_pipeline_stage for layers_per_stage (its fourth argument): None
+    when it gave nothing, False when it never called the function."""
+    calls = record.get("own_calls", {}).get("split_pipeline_stage", [])
+    if not calls:
+        return False
+    args, kwargs = calls[0]["args"], calls[0]["kwargs"]
+    return args[3] if len(args) > 3 else kwargs.get("layers_per_stage")
 
 
 def check_stages(ctx, run) -> bool:
@@ -312,6 +351,13 @@ def check_stages(ctx, run) -> bool:
                             "but the last trains on zero gradients after it)")
             ctx.extra["pp_shared_stage"] = True
             break
+        if len({s.get("module") for s in st}) > 1:
+            problems.append(f"rank {rank}'s stage and eval_stage wrap different modules: "
+                            "both PipelineStage(model, stage_index, num_stages, device) around "
+                            "the one model the optimizer trains, not a copy (a copy keeps the "
+                            "weights it was made with: its stage runs the untrained model)")
+            ctx.extra["pp_eval_copy"] = True
+            break
     summary = run.summary or {}
     if not problems and not run.crashed and not summary.get("idle_fraction_per_stage"):
         problems.append("no idle share measured: timer = StageBusyTimer(stage, device), "
@@ -372,10 +418,8 @@ def check_schedule_calls(ctx, run) -> None:
         if rank == 0 and c["args"] != 1:
             rep.fail(37, "the first stage must pass the tokens: schedule.step(x, ...)")
             return
-        if rank != 0 and c["args"] != 0:
-            rep.fail(37, f"stage {rank} passes inputs to schedule.step: only the first stage "
-                     "does, the others receive activations")
-            return
+        # (inputs given to a later stage too are not wrong: torch uses the activations it
+        # receives there, and the training shows whether it trains like one process)
         if rank == last and not (c["target"] and c["losses"]):
             rep.fail(37, "the last stage must pass target=y and losses=losses (a list that "
                      "receives the microbatch losses)")
@@ -398,6 +442,49 @@ def check_schedule_calls(ctx, run) -> None:
                  "gradients to those .grad holds: without it every step trains on the sum of "
                  "the gradients of all steps so far)")
         ctx.extra["pp_training_differs"] = True
+
+
+def check_broadcasts(ctx, run) -> None:
+    """TODOs 38 and 40: a broadcast that every rank calls with its own src (each waits for
+    another sender), or whose result (None) replaces the tensor it filled."""
+    rep = ctx.report
+    records = [r for r in run.ranks if r]
+    sent = [[c for c in r.get("calls", []) if c["name"] == "dist.broadcast"] for r in records]
+    for same in zip(*sent):
+        srcs = [c.get("src") for c in same]
+        if len({c["line"] for c in same}) == 1 and len(set(map(str, srcs))) > 1:
+            line = same[0]["line"]
+            each = ", ".join(f"rank {r} src={src}" for r, src in enumerate(srcs))
+            rep.fail(ctx.todo_of(line) or 38, f"every rank calls dist.broadcast at line {line}, "
+                     f"each with another src ({each}): src names the one rank that sends, the same on every rank: "
+                     "src=num_stages - 1, the last stage, which holds the loss")
+            ctx.extra["pp_crash_explained"] = run.crashed
+            return
+    f = run.failure
+    if not run.crashed or not f or "NoneType" not in f.message:
+        return
+    import ast
+    try:
+        tree = ast.parse(ctx.text)
+    except SyntaxError:
+        return
+    lines = {c["line"] for r in records for c in r.get("calls", [])
+             if c["name"].startswith("dist.")}
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                and isinstance(node.targets[0], ast.Name)):
+            continue
+        func = node.value.func
+        name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+        if name in ("broadcast", "all_reduce", "reduce") and any(
+                node.lineno <= line <= node.end_lineno for line in lines):
+            target = node.targets[0].id
+            rep.fail(ctx.todo_of(node.lineno) or 38, f"line {node.lineno} makes {target} None "
+                     f"(line {f.line} stopped on it: {f.message[:80]}): dist.{name} works in place, it fills the tensor "
+                     "it is given and returns None; call it without assigning its result, "
+                     f"dist.{name}({target}, ...)")
+            ctx.extra["pp_crash_explained"] = True
+            return
 
 
 def check_eval_inputs(ctx, run) -> bool:
@@ -473,6 +560,32 @@ def check_eval_calls(ctx, run) -> None:
             rep.fail(40, f"rank {rank} trains in eval mode after an evaluation: model.train() "
                      "at the end of evaluate")
             return
+
+
+def padded_without_ignore(records) -> bool:
+    """The last stage's evaluation batches all have the full batch's rows (the short last ones
+    padded), yet none of their targets is IGNORE_INDEX: the padding's targets count."""
+    given = [c["targets"] for c in records[-1].get("schedule_calls", [])
+             if c["kind"] == "eval" and not c.get("by_course") and c.get("targets")]
+    short = any(ln["dataset_len"] % BATCH for ln in eval_loaders(records[-1]))
+    return bool(given) and short and all(rows == BATCH and not ignored
+                                         for rows, ignored in given)
+
+
+def eval_loaders(record) -> list[dict]:
+    """The validation and the test loader's sizes: [{"dataset_len": ...}, ...]."""
+    datasets = record.get("datasets", [])
+    return [{"dataset_len": datasets[ld["dataset"]]["len"]} for ld in record.get("loaders", [])
+            if ld.get("sampler_type") == "DistributedEvalSampler"
+            and isinstance(ld.get("dataset"), int) and ld["dataset"] < len(datasets)]
+
+
+def real_share(records) -> tuple[float, float] | None:
+    """(validation, test): the share of real samples among the padded batches' samples."""
+    sizes = [ld["dataset_len"] for ld in eval_loaders(records[-1])]
+    if len(sizes) != 2:
+        return None
+    return tuple(n / (-(-n // BATCH) * BATCH) for n in sizes)
 
 
 def describe_autocast(state) -> str:
