@@ -525,19 +525,29 @@ class Probe:
         # zero_grad() that throws away the gradients of earlier micro-batches (the memory step's
         # accumulation). ZeroRedundancyOptimizer's step runs its AdamW's: counted once.
         counted = record["optimizer_calls"] = {"steps": 0, "discarding_zero_grads": 0}
-        since = {"backwards": 0, "depth": 0}
+        since = {"backwards": 0, "depth": 0, "since_step": 0}
 
         def step_pre(optimizer, *a):
             since["depth"] += 1
             if since["depth"] == 1:
                 counted["steps"] += 1
                 since["backwards"] = 0
+                # backward() calls since the last step, zero_grad() or not: the micro-batches
+                # this step was counted after (the first 20 steps)
+                if len(counted.setdefault("backwards_per_step", [])) < 20:
+                    counted["backwards_per_step"].append(since["since_step"])
+                since["since_step"] = 0
 
         def step_post(optimizer, *a):
             since["depth"] -= 1
 
         def backward_(*a, **k):
             since["backwards"] += 1
+            since["since_step"] += 1
+            # a DDP model's sync off during backward (no_sync() entered, or the flag set)
+            if any(m() is not None and not getattr(m(), "require_backward_grad_sync", True)
+                   for m in probe.ddp_models):
+                counted["ddp_unsynced_backwards"] = counted.get("ddp_unsynced_backwards", 0) + 1
 
         def zero_grad_(self, *a, **k):
             counted["zero_grads"] = counted.get("zero_grads", 0) + 1  # (the pipeline: any at all)

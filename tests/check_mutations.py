@@ -1246,6 +1246,22 @@ MISTAKES = [
        "                loss.backward()\n",
        "                    loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.grad_accum\n"
        "            loss.backward()\n")]),
+    ("memory", MEM, "the divided loss divided again for backward", 58,
+     [("                loss.backward()\n            micro_losses",
+       "                (loss / args.grad_accum).backward()\n            micro_losses")]),
+    ("memory", MEM, "the micro-batches counted from 1 (the first step runs one)", 58,
+     [("loss_history, step, micro, val_loss = [], 0, 0, math.nan",
+       "loss_history, step, micro, val_loss = [], 0, 1, math.nan")]),
+    ("memory", MEM, "the logged loss the mean of the divided micro-batch losses", 58,
+     [("torch.stack(micro_losses).sum()", "torch.stack(micro_losses).mean()")]),
+    ("memory", MEM, "the step's last micro-batch counted one ahead", 58,
+     [("last = micro % args.grad_accum == 0", "last = (micro + 1) % args.grad_accum == 0")]),
+    ("memory", MEM, "FSDP's gradient sync switched off on the root only", 58,
+     [("    model.set_requires_gradient_sync(False)\n",
+       "    model.set_requires_gradient_sync(False, recurse=False)\n")]),
+    ("memory", MEM, "DDP's no_sync() called, not entered", 58,
+     [("        with model.no_sync():\n            yield\n",
+       "        model.no_sync()\n        yield\n")]),
 ]
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
@@ -1465,6 +1481,15 @@ MESSAGES = {
     "the backward outside no_gradient_sync": ("backward too",),
     "checkpoint_wrapper without the RNG state (dropout masks differ in recompute)": (
         "preserve_rng_state",),
+    "the divided loss divided again for backward": ("1/2 of the whole batch's", "divide it once"),
+    "the micro-batches counted from 1 (the first step runs one)": ("after 1 micro-batch",
+                                                                   "micro = 0"),
+    "the logged loss the mean of the divided micro-batch losses": ("gradients are right",
+                                                                   ".sum()"),
+    "the step's last micro-batch counted one ahead": (
+        "mis-counted", "last = micro % args.grad_accum == 0 right after micro += 1"),
+    "FSDP's gradient sync switched off on the root only": ("the blocks", "recurse"),
+    "DDP's no_sync() called, not entered": ("with model.no_sync(): yield",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
@@ -1557,6 +1582,12 @@ ONLY_FIXED = {
     "the step's last micro-batch counted from the start (syncs once)": {58},
     "the loss divided by the ranks instead of the micro-batches": {58},
     "the logged loss undivided, backward on the divided loss": {58},
+    "the divided loss divided again for backward": {58},
+    "the micro-batches counted from 1 (the first step runs one)": {58},
+    "the logged loss the mean of the divided micro-batch losses": {58},
+    "the step's last micro-batch counted one ahead": {58},
+    "FSDP's gradient sync switched off on the root only": {58},
+    "DDP's no_sync() called, not entered": {58},
 }
 
 # Right solutions written another way: the check must call them all good.
@@ -1794,6 +1825,11 @@ CORRECT = [
        "    from model.transformer import Block\n"
        "    for block in [m for m in model.modules() if isinstance(m, Block)]:\n"
        "        fully_shard(block, **options)\n")]),
+    ("memory", MEM, "zero_grad right after optimizer.step() (the monitor reads no gradients)",
+     [("            if micro % args.grad_accum == 0:  # a new optimizer step begins\n"
+       "                optimizer.zero_grad(set_to_none=True)\n", ""),
+      ("            optimizer.step()\n            step += 1\n",
+       "            optimizer.step()\n            optimizer.zero_grad()\n            step += 1\n")]),
 ]
 
 # Job files without TODOs (collectives.sbatch, preflight.sbatch): a mistake is named on the job

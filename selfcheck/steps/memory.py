@@ -189,9 +189,23 @@ def tokens(run, rank: int = 0):
     return run.summary["memory"]["per_rank"][rank]["tokens_per_microbatch"]
 
 
-def grad_norms(run) -> list[float]:
-    return [e["metrics"]["train/grad_norm"] for e in run.ranks[0].get("logged", [])
-            if "train/grad_norm" in e["metrics"]]
+def grad_norms(run) -> dict[int, float]:
+    return {e["step"]: e["metrics"]["train/grad_norm"] for e in run.ranks[0].get("logged", [])
+            if "train/grad_norm" in e["metrics"]}
+
+
+def compared_norms(run, ref) -> list[tuple[int, float, float]]:
+    """(step, the run's gradient norm, the single process's) for the steps both logged. A norm
+    of exactly 0 is left out: the monitor reads the gradients when it reports, after the step,
+    and a zero_grad() right after optimizer.step() (right too) has cleared them by then."""
+    mine, theirs = grad_norms(run), grad_norms(ref)
+    return [(s, mine[s], theirs[s]) for s in sorted(mine) if s in theirs and mine[s] != 0.0]
+
+
+def first_norm_ratio(run, ref) -> float | None:
+    """The run's gradient norm over the single process's, at the first step both logged."""
+    pairs = compared_norms(run, ref)
+    return pairs[0][1] / pairs[0][2] if pairs and pairs[0][2] else None
 
 
 def same_training(ctx, run, ref, key):
@@ -216,12 +230,12 @@ def same_training(ctx, run, ref, key):
         ctx.report = real
     if quiet.lines:
         return quiet.lines[0]
-    mine, theirs = grad_norms(run), grad_norms(ref)
-    i = first_difference(mine, theirs, 1e-4)
-    if i is not None and i < min(len(mine), len(theirs)):
-        ratio = mine[i] / theirs[i] if theirs[i] else float("nan")
+    differ = [(s, m, t) for s, m, t in compared_norms(run, ref) if not near(m, t, 1e-4)]
+    if differ:
+        step, m, t = differ[0]
+        ratio = m / t if t else float("nan")
         return (f"with {flags(key)} the gradients differ from the single-process run's from step "
-                f"{i + 1} on (norm {mine[i]:.4g} vs {theirs[i]:.4g}"
+                f"{step} on (norm {m:.4g} vs {t:.4g}"
                 + (f", {ratio:.2g} times as large" if near(ratio, round(ratio), 0.02)
                    and round(ratio) > 1 else "") + ")")
     return True
@@ -284,8 +298,8 @@ def divided_by_a_number(ctx, trained: dict, runs: dict, ref) -> bool:
 
 
 def same_gradients(run, ref) -> bool:
-    mine, theirs = grad_norms(run), grad_norms(ref)
-    return bool(mine) and first_difference(mine, theirs, 1e-4) is None
+    pairs = compared_norms(run, ref)
+    return bool(pairs) and all(near(m, t, 1e-4) for _, m, t in pairs)
 
 
 def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
@@ -304,7 +318,21 @@ def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
             continue
         run = runs[key]
         mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
-        if key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], key[1], 0.02) and \
+        ratio = first_norm_ratio(run, ref)
+        if key[1] > 1 and mine and theirs and first_difference(mine, theirs) is None and \
+                ratio is not None and near(ratio, 1 / key[1], 0.02):
+            # (AdamW's step hardly depends on the gradients' scale: the losses stay right)
+            todo, what = ACCUMULATION, (f"with {flags(key)} the logged loss is right, but the "
+                                        f"gradients are 1/{key[1]} of the whole batch's from "
+                                        "step 1 on: backward() gets the loss divided by "
+                                        "args.grad_accum twice; divide it once")
+        elif key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], 1 / key[1], 0.02) \
+                and same_gradients(run, ref):
+            todo, what = ACCUMULATION, (f"with {flags(key)} the gradients are right, but every "
+                                        f"step's logged loss is 1/{key[1]} of the whole batch's: "
+                                        "the micro-batches' divided losses add up to the "
+                                        "batch's, torch.stack(micro_losses).sum(), not .mean()")
+        elif key[1] > 1 and mine and theirs and near(mine[0] / theirs[0], key[1], 0.02) and \
                 same_gradients(run, ref):
             todo, what = ACCUMULATION, (f"with {flags(key)} the gradients are right, but every "
                                         f"step's logged loss is {key[1]} x the whole batch's: log "
@@ -556,6 +584,21 @@ def check_accumulation(ctx, key, run, ref, runs) -> None:
              f"in {steps} steps, once per micro-batch: step once per optimizer step, after the "
              "last micro-batch (after `if not last: continue`)")
         return
+    # backward() calls before each step: the first step made early, the others after N
+    counts = calls.get("backwards_per_step") or []
+    early = len(counts) > 1 and counts[0] < key[1] and all(n == key[1] for n in counts[1:])
+    if early and calls.get("discarding_zero_grads"):
+        fail(rep, ACCUMULATION, f"with {flags(key)} the optimizer stepped after micro-batch "
+             f"{counts[0]} of {key[1]}, and from then on each step's zero_grad() fell between "
+             f"the micro-batches of a step ({calls['discarding_zero_grads']} times): the step's "
+             "last micro-batch is mis-counted, last = micro % args.grad_accum == 0 right after "
+             "micro += 1")
+        return
+    if early:
+        fail(rep, ACCUMULATION, f"with {flags(key)} the first optimizer step came after "
+             f"{counts[0]} micro-batch(es) instead of args.grad_accum = {key[1]} (the others "
+             "after all of theirs): count the micro-batches from 0, micro = 0 before the loop")
+        return
     if calls.get("discarding_zero_grads"):
         fail(rep, ACCUMULATION, f"with {flags(key)} optimizer.zero_grad() ran between the "
              f"micro-batches of a step ({calls['discarding_zero_grads']} times), throwing away "
@@ -571,16 +614,46 @@ def check_accumulation(ctx, key, run, ref, runs) -> None:
     counted, per_step, what = gradient_syncs(run, ref)
     if counted is None or not per_step:
         return
+    said = (f"with {flags(key)} {what} {counted} times in {steps} steps ({counted / steps:g} per "
+            f"step instead of {per_step:g})")
+    # syncs per step beyond one: (micro-batches - 1) x per_step where no unit's sync is off
+    extra = counted / steps - per_step
+    if layout in FSDP_LAYOUTS and 0 < extra < (key[1] - 1) * per_step - 0.5:
+        still = extra / (key[1] - 1)
+        blocks = sum((run.ranks[0].get("fsdp") or {}).get("blocks", []))
+        which = " (the blocks)" if near(still, blocks, 0.01) else ""
+        fail(rep, ACCUMULATION, f"{said}: inside no_gradient_sync {still:g} of the "
+             f"{per_step:g} FSDP units{which} still reduce-scatter, their sync left on: "
+             "model.set_requires_gradient_sync(False) must reach every unit, so leave its "
+             "recurse at the default, True")
+        return
+    if layout not in FSDP_LAYOUTS and counted > steps * per_step and \
+            not calls.get("ddp_unsynced_backwards") and fsdp_syncs_once(runs, ref):
+        fail(rep, ACCUMULATION, f"{said}, though the FSDP runs reduce-scatter once per step: "
+             "DDP's sync was off in no backward, so no_gradient_sync's DDP branch never "
+             "switches it off: no_sync() is a context manager, calling it does nothing; "
+             "with model.no_sync(): yield")
+        return
     if counted > steps * per_step:
         inside = ("its forward pass too (DDP decides in forward whether the backward "
                   "all-reduces)" if layout in ("ddp", "zero1") else "its backward too (FSDP2 "
                   "reduce-scatters in backward unless the sync is off)")
-        fail(rep, ACCUMULATION, f"with {flags(key)} {what} {counted} times in {steps} steps "
-                 f"({counted / steps:g} per step instead of {per_step:g}), once per micro-batch: "
-                 f"run all but the last micro-batch inside no_gradient_sync(model), {inside}")
+        fail(rep, ACCUMULATION, f"{said}, once per micro-batch: run all but the last "
+             f"micro-batch inside no_gradient_sync(model), {inside}")
     elif not rep.failed(ACCUMULATION):
         rep.ok(ACCUMULATION, "2 micro-batches per step train like one process with the whole "
                "batch in every layout, the gradients reduced once per step")
+
+
+def fsdp_syncs_once(runs: dict, ref) -> bool:
+    """Some FSDP run with accumulation reduce-scatters exactly once per step (no_gradient_sync
+    and the loop's use of it work there)."""
+    for key, run in runs.items():
+        if key[0] in FSDP_LAYOUTS and key[1] > 1:
+            counted, per_step, _ = gradient_syncs(run, ref)
+            if counted is not None and per_step and counted == run.summary["steps"] * per_step:
+                return True
+    return False
 
 
 def all_micro_batches_alive(key, run) -> bool:
