@@ -2,6 +2,8 @@
 utils/ import each other in one direction only, and the page participants read stays a page."""
 
 import ast
+import os
+import subprocess
 import sys
 
 from conftest import ROOT
@@ -76,7 +78,6 @@ def test_every_benchmark_and_tool_starts_from_a_checkout_where_python_has_no_ins
         tmp_path):
     """A GPU node's own Python has torch but not `pip install -e .`: the first GPU run's
     benchmark stopped at "No module named 'model'"."""
-    import subprocess
     scripts = sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "tools").glob("*.py"))
     code = ("import runpy, sys; sys.meta_path[:] = [f for f in sys.meta_path "
             "if 'editable' not in getattr(f, '__module__', '')]; "
@@ -85,8 +86,7 @@ def test_every_benchmark_and_tool_starts_from_a_checkout_where_python_has_no_ins
     for script in scripts:
         proc = subprocess.run([sys.executable, "-c", code, str(script)], cwd=tmp_path,
                               capture_output=True, text=True, timeout=300,
-                              env={k: v for k, v in __import__("os").environ.items()
-                                   if k != "PYTHONPATH"})
+                              env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
         if "No module named" in proc.stderr:
             failed.append(f"{script.relative_to(ROOT)}: {proc.stderr.strip().splitlines()[-1]}")
     assert not failed, failed

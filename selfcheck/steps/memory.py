@@ -253,19 +253,28 @@ def feature_todo(feature: str) -> int:
     return {"accumulation": ACCUMULATION, "checkpointing": CHECKPOINTING}[feature]
 
 
+def one_factor(trained: dict, runs: dict, ref, factor) -> float | None:
+    """The one value, other than 1, that factor(key, ratio) takes for every run compared
+    (ratio: its first logged loss over the single process's), else None."""
+    theirs = ref.summary["loss_history"]
+    values = [factor(key, runs[key].summary["loss_history"][0] / theirs[0]) for key in trained
+              if theirs and runs[key].summary["loss_history"]]
+    if not values or len(values) < len(trained) or near(values[0], 1.0, 0.01) or \
+            not all(near(v, values[0], 0.01) for v in values):
+        return None
+    return values[0]
+
+
 def scaled_everywhere(ctx, trained: dict, runs: dict, ref) -> bool:
     """Every run, with accumulation or without, logs the same multiple of the single process's
     loss: the loss itself is scaled (by the ranks, say), not any one option's work. True if
     reported (once, under the TODO that divides the loss)."""
-    theirs = ref.summary["loss_history"]
-    if not trained or any(good is True for good in trained.values()) or not theirs:
+    if not trained or any(good is True for good in trained.values()):
         return False
-    ratios = [runs[k].summary["loss_history"][0] / theirs[0] for k in trained
-              if runs[k].summary["loss_history"]]
-    if len(ratios) < len(trained) or not all(near(r, ratios[0], 0.01) for r in ratios) or \
-            near(ratios[0], 1.0, 0.01):
+    ratio = one_factor(trained, runs, ref, lambda key, ratio: ratio)
+    if ratio is None:
         return False
-    ratio, world = ratios[0], next(iter(runs.values())).geometry.world
+    world = next(iter(runs.values())).geometry.world
     why = (f"; DDP and FSDP average the gradients over the {world} ranks themselves"
            if near(ratio, 1 / world, 0.01) else "")
     fail(ctx.report, ACCUMULATION, f"in every run, with accumulation or without, the loss is "
@@ -278,16 +287,12 @@ def divided_by_a_number(ctx, trained: dict, runs: dict, ref) -> bool:
     """Every run's loss is (its micro-batches) / (one number) times the single process's: the
     loss is divided by that number where args.grad_accum belongs (by world_size, say), which
     trains right only where the two are equal. True if reported (under the TODO that divides)."""
-    theirs = ref.summary["loss_history"]
-    if not theirs or all(good is True for good in trained.values()) or \
-            len({key[1] for key in trained}) < 2:
+    if all(good is True for good in trained.values()) or len({key[1] for key in trained}) < 2:
         return False
-    divisors = [key[1] * theirs[0] / runs[key].summary["loss_history"][0] for key in trained
-                if runs[key].summary["loss_history"]]
-    if len(divisors) < len(trained) or not all(near(d, divisors[0], 0.01) for d in divisors) or \
-            near(divisors[0], 1.0, 0.01):
+    divisor = one_factor(trained, runs, ref, lambda key, ratio: key[1] / ratio)
+    if divisor is None:
         return False
-    divisor, world = divisors[0], next(iter(runs.values())).geometry.world
+    world = next(iter(runs.values())).geometry.world
     instead = (f"not by the ranks: DDP and FSDP average the gradients over the {world} ranks "
                "themselves" if near(divisor, world, 0.01) else "by nothing else")
     fail(ctx.report, ACCUMULATION, f"every run divides its loss by {divisor:.3g}, whatever "

@@ -10,6 +10,7 @@ and evaluation.
 
 from __future__ import annotations
 
+import ast
 import re
 
 from selfcheck.compare import near
@@ -463,7 +464,6 @@ def check_broadcasts(ctx, run) -> None:
     f = run.failure
     if not run.crashed or not f or "NoneType" not in f.message:
         return
-    import ast
     try:
         tree = ast.parse(ctx.text)
     except SyntaxError:
