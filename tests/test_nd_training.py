@@ -142,7 +142,7 @@ def test_two_stages_per_rank_train_like_one_process(schedule, theory, four_layer
     assert_same_weights(state, ref_weights)
 
 
-def test_stages_per_rank_that_do_not_fit_the_schedule_or_the_model_stop_with_one_line():
+def test_stages_per_rank_that_do_not_fit_the_schedule_or_the_model_stop_with_one_line(capsys):
     import argparse
     nd = load_script(SCRIPT)
 
@@ -152,7 +152,8 @@ def test_stages_per_rank_that_do_not_fit_the_schedule_or_the_model_stop_with_one
                                      "stages_per_rank": 2, "compile": False, **given})
         with pytest.raises(SystemExit) as stop:
             nd.check_degrees(args, get_config("tiny", vocab_size=50, n_layers=cfg_layers), 2)
-        return str(stop.value)
+        assert stop.value.code == 1
+        return capsys.readouterr().err.strip()  # one line (from rank 0 only, under torchrun)
 
     assert problem() == ("error: the 2 layers do not split evenly into --pp 2 x "
                          "--stages-per-rank 2 = 4 stages: give --n-layers 4 or "

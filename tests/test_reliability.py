@@ -411,6 +411,24 @@ def test_running_again_in_the_same_folder_refuses_to_overwrite_until_asked(tmp_p
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
+def test_under_torchrun_the_error_line_also_ends_torchruns_report_of_the_failure(tmp_path):
+    # torchrun prints about 40 lines after a failed rank's one line; its "Root Cause" is what
+    # a participant reads, so it must say what to change (not "To enable traceback see ...")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "summary.json").write_text("{}")  # an earlier run's result
+    proc = run_script(DDP, *TINY, "--out-dir", out, nproc=2, torchrun=True, check=False,
+                      env=script_env())
+    line = f"error: --out-dir {out} holds the results of an earlier run (summary.json)"
+    assert proc.returncode != 0
+    assert [l for l in proc.stderr.splitlines() if l.startswith("error:")] == [
+        line + ": delete them with --overwrite, or choose another --out-dir"], proc.stderr
+    assert "Root Cause" in proc.stderr, proc.stderr
+    root_cause = proc.stderr.split("Root Cause", 1)[1]
+    assert f"traceback : {line}" in root_cause, root_cause
+    assert "To enable traceback" not in proc.stderr
+
+
 def test_the_fsdp_step_continues_its_own_run_with_resume_and_says_how_otherwise(
         tmp_path, data_cache):
     out = tmp_path / "run"
@@ -430,6 +448,23 @@ def test_the_fsdp_step_continues_its_own_run_with_resume_and_says_how_otherwise(
                env=script_env(data_cache))
     run_script(DDP, *TINY, "--max-steps", "1", "--out-dir", tmp_path / "ddp",
                env=script_env(data_cache, SLURM_RESTART_COUNT=1))
+
+
+def test_a_restart_of_a_run_started_with_overwrite_continues_from_its_checkpoints(
+        tmp_path, data_cache):
+    # a requeued `sbatch fsdp_training.sbatch --overwrite` (or torchrun --max-restarts) starts
+    # the script again with the same arguments: --overwrite must not delete what it resumes from
+    out, fsdp = tmp_path / "run", SCRIPTS["fsdp"]
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "summary.json").write_text("{}")  # an earlier run's: the first start deletes it
+    first = run_script(fsdp, *TINY, "--max-steps", "2", "--checkpoint-every", "1", "--out-dir",
+                       out, "--overwrite", env=script_env(data_cache))
+    assert "--overwrite: deleted the earlier run's summary.json" in first.stdout
+    again = run_script(fsdp, *TINY, "--max-steps", "3", "--out-dir", out, "--overwrite",
+                       env=script_env(data_cache, SLURM_RESTART_COUNT=1))
+    assert "this is Slurm restart 1 of the run that wrote them" in again.stdout
+    assert "resumed from" in again.stdout and "at step 2" in again.stdout, again.stdout
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
 
 
 def start_and_wait_for_the_lock(cmd, out: Path, env: dict) -> subprocess.Popen:

@@ -36,7 +36,6 @@ Run it:
 import copy
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -59,7 +58,7 @@ from torch.utils.data.distributed import DistributedSampler
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
 from utils.checkpointing import atomic_folder
-from utils.checks import claim_out_dir, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit, pad_batch)
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
@@ -245,7 +244,7 @@ def check_degrees(args, cfg, world_size: int) -> None:
     """Stop with one line saying what to change when the mesh, model or batch cannot be split."""
     problems = degree_problems(args, cfg, world_size)
     if problems:
-        sys.exit("error: " + "; ".join(problems))
+        stop_on_every_rank("; ".join(problems))  # one line, from rank 0
 
 
 def build_mesh(device_type: str, pp: int, dp: int, tp: int):

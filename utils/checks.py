@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from utils.launch import tell_torchrun
+
 
 def _rank() -> int:
     """This process's rank (0 without a process group). This module comes below
@@ -28,6 +30,7 @@ def _rank() -> int:
 def _stop(message: str, printer: bool) -> None:
     if printer:
         print(f"error: {message}", file=sys.stderr, flush=True)
+    tell_torchrun(f"error: {message}")  # every rank: whichever torchrun names, it says why
     if dist.is_initialized():  # every rank stops here: leave the group (or gloo aborts at exit)
         dist.destroy_process_group()
         _exit_without_teardown(1)
@@ -188,7 +191,8 @@ def claim_out_dir(args) -> None:
     """Before any training: --out-dir is writable by every rank (check_writable), belongs to
     this run alone (OUT_DIR/run.lock, see utils/run_lock.py), and holds no results of an
     earlier run, unless this run continues it (--resume, a torchrun restart, a requeued Slurm
-    job) or --overwrite says to delete them first. Otherwise one line says what to do.
+    job) or --overwrite says to delete them first (at the first start: a restart with the same
+    arguments continues from what its first start wrote). Otherwise one line says what to do.
 
     From here on, a full disk anywhere ends the process with one line (utils/files.py).
     Call it on every rank, right after setup(): rank 0 decides, all ranks stop together.
@@ -210,14 +214,20 @@ def claim_out_dir(args) -> None:
                        "give one of them")
         else:  # first the lock: a run still writing there is named, whatever it has written
             problem = take(out_dir, say=lambda line: print(line, flush=True))
-        if problem is None and found and not (resume or overwrite or restart_count()[0]):
+        restarts, launcher = restart_count()
+        if problem is None and found and not (resume or overwrite or restarts):
             names = ", ".join(f"{n}/" if (out_dir / n).is_dir() else n for n in found)
             again = "continue it with --resume auto, " if hasattr(args, "resume") else ""
             problem = (f"--out-dir {out_dir} holds the results of an earlier run ({names}): "
                        f"{again}delete them with --overwrite, or choose another --out-dir")
         if problem is None:
             remove_leftovers(out_dir)
-        if problem is None and overwrite and found:
+        if problem is None and overwrite and found and restarts:
+            # the first start deleted the earlier run's files; these are this run's own, and
+            # the restart continues from its checkpoints (a requeued `sbatch ... --overwrite`)
+            print(f"--overwrite: kept {', '.join(found)} in {out_dir}: this is {launcher} "
+                  f"restart {restarts} of the run that wrote them", flush=True)
+        elif problem is None and overwrite and found:
             for name in [*found, *LOGS]:
                 for path in out_dir.glob(name):
                     shutil.rmtree(path) if path.is_dir() else path.unlink()

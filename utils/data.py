@@ -34,6 +34,7 @@ from torch.utils.data import Dataset, Sampler
 
 from utils.distributed_utils import is_root_process
 from utils.files import DiskFullError, atomic_open, atomic_torch_save, free_mib, torch_file_problem
+from utils.launch import exit_with_error, tell_torchrun
 
 UNK, EOS = "<unk>", "<eos>"
 IGNORE_INDEX = -100  # targets with this value count neither in the loss nor in the token count
@@ -422,7 +423,7 @@ def load_corpus_or_exit(dataset: str, data_dir: str | None, cache_dir: str | Non
     try:
         return load_corpus(dataset, data_dir, cache_dir, warn=warn, max_vocab=max_vocab)
     except DataUnavailableError as e:
-        sys.exit(f"error: {e}")
+        exit_with_error(str(e))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,6 +466,7 @@ def check_splits(corpus: Corpus, seq_len: int, batch_size: int, replicas: int = 
     if problem is not None:
         if is_root_process():
             print(f"error: {problem}", file=sys.stderr, flush=True)
+        tell_torchrun(f"error: {problem}")
         sys.exit(1)
 
 

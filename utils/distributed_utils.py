@@ -28,8 +28,8 @@ from torch import nn
 
 from utils.checks import stop_if_a_loss_was_not_finite
 from utils.files import atomic_torch_save
-from utils.launch import (check_launch_environment, dist_timeout, init_process_group_or_exit,
-                          warn_about_torchrun_restarts)
+from utils.launch import (check_launch_environment, dist_timeout, exit_with_error,
+                          init_process_group_or_exit, warn_about_torchrun_restarts)
 
 # A crashed or stuck rank makes the others fail after this long instead of hanging for the
 # default 10 (NCCL) or 30 (gloo) minutes. Raise it with DIST_TIMEOUT_MINUTES for huge checkpoints.
@@ -44,16 +44,16 @@ def pick_device(device: str = "auto", local_rank: int = 0) -> torch.device:
     --gres=gpu:4 was asked for) end with one line, not CUDA's "invalid device ordinal".
     """
     if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("error: --device cuda was asked for, but torch sees no usable GPU here: "
-                 "run on a GPU node with a CUDA (or ROCm) build of torch, or leave out --device")
+        exit_with_error("--device cuda was asked for, but torch sees no usable GPU here: run on "
+                        "a GPU node with a CUDA (or ROCm) build of torch, or leave out --device")
     if device in ("auto", "cuda") and torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if local_rank >= visible:
-            sys.exit(f"error: local rank {local_rank} on {socket.gethostname()} has no GPU of its "
-                     f"own: {visible} are visible (CUDA_VISIBLE_DEVICES="
-                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most "
-                     f"{visible} processes per node (torchrun --nproc_per_node=gpu), or ask "
-                     "Slurm for more GPUs (--gres=gpu:N)")
+            exit_with_error(f"local rank {local_rank} on {socket.gethostname()} has no GPU of its "
+                            f"own: {visible} are visible (CUDA_VISIBLE_DEVICES="
+                            f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): start at most "
+                            f"{visible} processes per node (torchrun --nproc_per_node=gpu), or "
+                            "ask Slurm for more GPUs (--gres=gpu:N)")
         return torch.device("cuda", local_rank)
     if device == "auto" and os.environ.get("RANK", "0") == "0":
         warn_if_slurm_gpus_are_unused()

@@ -13,17 +13,42 @@ at DIST_TIMEOUT_MINUTES.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import socket
 import sys
 import threading
 import time
+from typing import NoReturn
 
 DEFAULT_TIMEOUT_MINUTES = 5.0
 
 
-def _fail(message: str) -> None:
+def tell_torchrun(line: str) -> None:
+    """Hand torchrun this process's error line, so that its report of a failed run shows it.
+
+    Under torchrun a one-line error is printed near the top, and torchrun's report of the
+    failure (ChildFailedError, about 40 lines) follows it: "Root Cause ... traceback : To enable
+    traceback see ...". torchrun reads each process's error file (TORCHELASTIC_ERROR_FILE, the
+    file torch's own @record writes) into that report: with this line in it, the bottom of the
+    output says what to change. Nothing without torchrun, and the first line a process gives wins.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path or os.path.exists(path):
+        return
+    stamp = str(int(time.time()))
+    try:
+        with open(path, "w") as f:  # the format of torch's ErrorHandler.record_exception
+            json.dump({"message": {"message": line, "extraInfo": {"py_callstack": line,
+                                                                  "timestamp": stamp}}}, f)
+    except OSError:
+        pass  # the line is printed anyway
+
+
+def exit_with_error(message: str) -> NoReturn:
+    """End the process with `error: MESSAGE` (exit status 1), also in torchrun's report."""
+    tell_torchrun(f"error: {message}")
     sys.exit(f"error: {message}")
 
 
@@ -54,7 +79,7 @@ def _whole(name: str) -> int:
     try:
         return int(text)
     except ValueError:
-        _fail(f"{name}={text} is not a whole number: start the script with torchrun (it sets "
+        exit_with_error(f"{name}={text} is not a whole number: start the script with torchrun (it sets "
               "RANK, LOCAL_RANK and WORLD_SIZE), or unset them to run one process")
 
 
@@ -66,40 +91,40 @@ def check_launch_environment(rank_variables: bool = True) -> None:
     last (Lightning sets the others itself, its own way)."""
     problem = dist_timeout_problem()
     if problem:
-        _fail(problem)
+        exit_with_error(problem)
     env = os.environ
     if not rank_variables or ("RANK" not in env and "WORLD_SIZE" not in env):
         return
     if "RANK" not in env or "WORLD_SIZE" not in env:
         given, missing = ("WORLD_SIZE", "RANK") if "RANK" not in env else ("RANK", "WORLD_SIZE")
-        _fail(f"{given}={env[given]} is set but {missing} is not: start the script with torchrun "
+        exit_with_error(f"{given}={env[given]} is set but {missing} is not: start the script with torchrun "
               f"(it sets both), or unset {given} to run one process")
     rank, world_size = _whole("RANK"), _whole("WORLD_SIZE")
     if world_size < 1 or not 0 <= rank < world_size:
-        _fail(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: RANK must be 0 to "
+        exit_with_error(f"RANK={rank} and WORLD_SIZE={world_size} do not fit: RANK must be 0 to "
               "WORLD_SIZE - 1 (torchrun sets both)")
     missing = [v for v in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK") if not env.get(v)]
     if missing and (world_size > 1 or "MASTER_ADDR" in missing or "MASTER_PORT" in missing):
         names = ", ".join(missing[:-1]) + (" and " if len(missing) > 1 else "") + missing[-1]
-        _fail(f"RANK={rank} and WORLD_SIZE={world_size} are set but {names} "
+        exit_with_error(f"RANK={rank} and WORLD_SIZE={world_size} are set but {names} "
               f"{'is' if len(missing) == 1 else 'are'} not: start the script with torchrun (it "
               "sets them), or unset RANK and WORLD_SIZE to run one process")
     local_rank = _whole("LOCAL_RANK") if env.get("LOCAL_RANK") else 0
     local_world = int(env["LOCAL_WORLD_SIZE"]) if env.get("LOCAL_WORLD_SIZE", "").isdigit() \
         else world_size
     if not 0 <= local_rank < local_world or local_rank > rank:
-        _fail(f"LOCAL_RANK={local_rank} does not fit RANK={rank} and "
+        exit_with_error(f"LOCAL_RANK={local_rank} does not fit RANK={rank} and "
               f"{'LOCAL_WORLD_SIZE' if env.get('LOCAL_WORLD_SIZE') else 'WORLD_SIZE'}="
               f"{local_world}: it must be 0 to the processes per node - 1 (torchrun sets it)")
     port_text = env["MASTER_PORT"]
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        _fail(f"MASTER_PORT={port_text} is not a port (1 to 65535): the sbatch files derive it "
+        exit_with_error(f"MASTER_PORT={port_text} is not a port (1 to 65535): the sbatch files derive it "
               "from the job id, torchrun --standalone picks a free one")
     addr = env["MASTER_ADDR"]
     try:
         socket.getaddrinfo(addr, int(port_text))
     except (socket.gaierror, UnicodeError) as e:
-        _fail(f"MASTER_ADDR={addr} does not resolve to an address here "
+        exit_with_error(f"MASTER_ADDR={addr} does not resolve to an address here "
               f"({getattr(e, 'strerror', None) or e}): use the first node of the job "
               "(scontrol show hostnames, as the sbatch files do) or its IP address")
 
@@ -156,7 +181,7 @@ def rendezvous_store(rank: int, world_size: int, addr: str, port: int,
                                   wait_for_workers=False)
         except (RuntimeError, ValueError) as e:
             if "EADDRINUSE" in str(e) or "address already in use" in str(e).lower():
-                _fail(f"MASTER_PORT {port} is taken on {socket.gethostname()} by another "
+                exit_with_error(f"MASTER_PORT {port} is taken on {socket.gethostname()} by another "
                       f"program, so rank 0 cannot listen there: choose another MASTER_PORT (the "
                       f"sbatch files derive it from the job id), or find the program with "
                       f"ss -ltnp 'sport = :{port}'")
@@ -169,7 +194,7 @@ def rendezvous_store(rank: int, world_size: int, addr: str, port: int,
         now = time.monotonic()
         if now - start >= seconds:
             who = "the other ranks" if rank == 0 else "the other ranks and rank 0"
-            _fail(f"rank {rank} of {world_size} waited {timeout} for {who} at "
+            exit_with_error(f"rank {rank} of {world_size} waited {timeout} for {who} at "
                   f"{_endpoint(addr, port)}, and {world_size - joined} of {world_size} never "
                   f"came ({joined}/{world_size} joined): start every rank together (torchrun, "
                   "or srun in the sbatch file), or raise DIST_TIMEOUT_MINUTES")
@@ -193,7 +218,7 @@ def _connect_to_rank_0(rank, world_size, addr, port, seconds, start):
             pass
         now = time.monotonic()
         if now - start >= seconds:
-            _fail(f"rank {rank} of {world_size} waited "
+            exit_with_error(f"rank {rank} of {world_size} waited "
                   f"{datetime.timedelta(seconds=round(seconds))} for rank 0 at "
                   f"{_endpoint(addr, port)}, and nothing answered there: start every rank "
                   "together (torchrun, or srun in the sbatch file), check MASTER_ADDR, or raise "
@@ -218,12 +243,12 @@ def _connect_to_rank_0(rank, world_size, addr, port, seconds, start):
     probe.start()
     probe.join(min(5.0, max(2.0, seconds)))
     if not result:
-        _fail(f"rank {rank} of {world_size}: a program answers at {_endpoint(addr, port)} but "
+        exit_with_error(f"rank {rank} of {world_size}: a program answers at {_endpoint(addr, port)} but "
               "it is not rank 0 of this run (another program holds MASTER_PORT, or an older "
               "run): choose another MASTER_PORT for every rank, or check MASTER_ADDR")
     if isinstance(result[0], Exception):
         reason = str(result[0]).strip().splitlines()[0][:200]
-        _fail(f"rank {rank} of {world_size} could not join rank 0 at {_endpoint(addr, port)} "
+        exit_with_error(f"rank {rank} of {world_size} could not join rank 0 at {_endpoint(addr, port)} "
               f"({reason}): start every rank together, or check MASTER_ADDR and MASTER_PORT")
     return result[0]
 
@@ -291,5 +316,5 @@ def init_process_group_or_exit(backend: str, **kwargs) -> None:
             dist.init_process_group(backend, **kwargs)
     except (ValueError, RuntimeError) as e:  # DistError is a RuntimeError
         reason = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        sys.exit(f"error: rank {rank} of {world_size} waited {timeout} {waited} at {where} "
-                 f"({reason.rstrip('.')}): {advice}")
+        exit_with_error(f"rank {rank} of {world_size} waited {timeout} {waited} at {where} "
+                        f"({reason.rstrip('.')}): {advice}")

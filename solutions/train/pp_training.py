@@ -24,7 +24,6 @@ schedule it ran next to the theory's: OUT_DIR/pipeline_schedule.html (and .png).
 
 import math
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -42,7 +41,7 @@ from torch.utils.data.distributed import DistributedSampler
 from model import TransformerLM, get_config
 from utils.args import base_parser, positive_int, positive_int_list
 from utils.checkpointing import atomic_folder
-from utils.checks import claim_out_dir, stop_if_not_finite
+from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
                         load_corpus_or_exit)
 # DONE 39: save0 goes (Distributed Checkpoint saves), and with DONE 38 all_reduce_mean (the last
@@ -129,7 +128,7 @@ def check_pipeline(args, cfg, num_stages: int) -> None:
         problems.append(f"--layers-per-stage must give {num_stages} counts of at least 1 "
                         f"that add up to the {cfg.n_layers} layers")
     if problems:
-        sys.exit("error: " + "; ".join(problems))
+        stop_on_every_rank("; ".join(problems))  # one line, from rank 0
 
 
 def lm_loss(logits, targets):
