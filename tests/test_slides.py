@@ -104,25 +104,42 @@ def test_decks_show_only_figures_that_exist_and_every_figure_is_shown():
     assert not unused, f"figures no deck shows: {unused}"
 
 
-# The decks written to the rule "slides explain the idea and show the shape; the TODO comment
-# and the hints name the API and the place; only the last hint gives the lines": deck -> the
-# course source whose TODO lines it must not show.
-IDEA_NOT_LINES = {"02b-memory.md": "course/train/memory_training.py",
-                  "00c2-collective-costs.md": "course/train/collectives.py"}
+# Every deck is written to the rule "slides explain the idea and show the shape; the TODO
+# comment and the hints name the API and the place; only the last hint gives the lines": no
+# deck shows a line of any TODO's solution (any course source: a recap shows earlier steps too).
+COURSE_SOURCES = sorted((ROOT / "course").rglob("*.py")) + sorted((ROOT / "course").glob("*.sbatch"))
 
 
-@pytest.mark.parametrize("deck, source", IDEA_NOT_LINES.items())
-def test_a_deck_shows_the_idea_of_its_todos_not_their_lines(deck, source):
+def squeeze(text: str) -> str:
+    return re.sub(r"\s+", "", text)
+
+
+def solution_lines_shown(deck_text: str, source: Path) -> list[tuple[int, str]]:
+    """(TODO, line) of every solution line of `source` (16 characters or more, not a comment)
+    that `deck_text` shows, spaces ignored."""
     sys.path.insert(0, str(ROOT))
     from selfcheck.steps.common import solution_blocks
+    slides = squeeze(deck_text)
+    return [(todo, line.strip()) for todo, lines in solution_blocks(source.read_text())
+            for line in lines if len(squeeze(line)) >= 16 and not line.strip().startswith("#")
+            and squeeze(line) in slides]
 
-    def squeeze(text):
-        return re.sub(r"\s+", "", text)
-    slides = squeeze((SLIDES / deck).read_text())
-    for todo, lines in solution_blocks((ROOT / source).read_text()):
-        shown = [line.strip() for line in lines if len(squeeze(line)) >= 16
-                 and not line.strip().startswith("#") and squeeze(line) in slides]
-        assert not shown, f"{deck} shows TODO {todo}'s lines: {shown}"
+
+@pytest.mark.parametrize("deck", decks(), ids=lambda d: d.name)
+def test_a_deck_shows_the_idea_of_its_todos_not_their_lines(deck):
+    text = deck.read_text()
+    shown = [f"{source.relative_to(ROOT)} TODO {todo}: {line}" for source in COURSE_SOURCES
+             for todo, line in solution_lines_shown(text, source)]
+    assert not shown, f"slides/{deck.name} shows solution lines:\n" + "\n".join(shown)
+
+
+def test_the_rule_finds_a_solution_line_on_a_slide():
+    source = ROOT / "course" / "train" / "to_distributed_training.py"
+    deck = "# TODO 2\n```python\nlocal_rank, rank, device, world_size = setup(args.seed, args.device)\n```"
+    assert solution_lines_shown(deck, source) == [
+        (2, "local_rank, rank, device, world_size = setup(args.seed, args.device)")]
+    assert solution_lines_shown("- `setup` returns the ranks, the device and the world size",
+                                source) == []
 
 
 def test_every_deck_pins_the_fonts_the_test_installs():
