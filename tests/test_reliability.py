@@ -7,8 +7,10 @@ and that files from before are unchanged. docs/reliability.md lists the cases.
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -427,6 +429,44 @@ def test_under_torchrun_the_error_line_also_ends_torchruns_report_of_the_failure
     root_cause = proc.stderr.split("Root Cause", 1)[1]
     assert f"traceback : {line}" in root_cause, root_cause
     assert "To enable traceback" not in proc.stderr
+
+
+def laptop_command_blocks():
+    """(where, [command, ...]) for every block of shell commands a participant copies: the fenced
+    blocks of README.md, docs/ and slides/, and each exercise's docstring, with the lines
+    a trailing backslash continues joined."""
+    blocks = []
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
+               *sorted((ROOT / "slides").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"^```(?:bash|sh)?\n(.*?)^```", md.read_text(),
+                                             re.M | re.S)):
+            blocks.append((f"{md.relative_to(ROOT)} block {i + 1}", block))
+    for script in sorted((ROOT / "train").glob("*.py")):
+        blocks.append((str(script.relative_to(ROOT)), ast.get_docstring(ast.parse(
+            script.read_text()), clean=False) or ""))
+    return [(where, re.sub(r"\\\n\s*", " ", text).splitlines()) for where, text in blocks]
+
+
+def test_a_documented_command_that_runs_a_script_again_into_its_folder_says_overwrite():
+    # a run never overwrites an earlier run's results: the second of two commands copied from
+    # one block would stop at "holds the results of an earlier run" instead of training
+    claim = {f"train/{p.name}" for p in (ROOT / "solutions" / "train").glob("*.py")
+             if "claim_out_dir(" in p.read_text()}  # (the collectives lesson keeps no results)
+    again = []
+    for where, lines in laptop_command_blocks():
+        seen = set()
+        for line in lines:
+            run = re.search(r"^\s*(?:\S+=\S+ )*(?:\.venv/bin/)?(?:python|torchrun)\b.*?"
+                            r"\b(train/\w+\.py)(.*)", line.split("#")[0])
+            if not run or run.group(1) not in claim or re.search(r"--help\b", run.group(2)):
+                continue
+            folder = re.search(r"--out-dir[ =](\S+)", run.group(2))
+            key = (run.group(1), folder.group(1) if folder else None)
+            if key in seen and not re.search(r"--overwrite|--resume", run.group(2)):
+                again.append(f"{where}: {line.strip()}")
+            seen.add(key)
+    assert not again, "runs into the folder of a run above them, without --overwrite:\n" + \
+        "\n".join(again)
 
 
 def test_the_fsdp_step_continues_its_own_run_with_resume_and_says_how_otherwise(

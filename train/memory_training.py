@@ -65,9 +65,9 @@ LAYOUTS = ("ddp", "zero1", "zero2", "zero3", "offload")
 # then the root, as in the FSDP step. zero3 frees each block's gathered weights after its
 # forward (reshard_after_forward=True) and gathers them again in backward; zero2 keeps them
 # until backward (False: more memory, one all-gather less per block); offload is zero3 with
-# offload_policy=CPUOffloadPolicy() (pin_memory only with a GPU), which keeps the shards (and
-# so the gradients and AdamW's state) in host memory and copies each block's to the GPU when it
-# is needed.
+# offload_policy=CPUOffloadPolicy() on every unit, blocks and root (pin_memory only where
+# torch.cuda.is_available(): pinning needs a GPU), which keeps the shards (and so the gradients
+# and AdamW's state) in host memory and copies each block's to the GPU when it is needed.
 def apply_fsdp(model: TransformerLM, layout: str) -> TransformerLM:
     raise NotImplementedError(f"--layout {layout}: TODO 56")
 

@@ -12,11 +12,13 @@ Check your work at any moment with
     diff -u train/pp_training.py solutions/train/pp_training.py
 
 Run it:
-    python train/pp_training.py --preset small --max-steps 300                  # laptop CPU, 1 rank
-    torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --max-steps 50
+    python train/pp_training.py --preset tiny --max-steps 50                    # laptop CPU, 1 rank
+    torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --max-steps 50 \\
+        --overwrite                                         # 2 stages, in place of the run before
     sbatch pp_training.sbatch                      # 2 nodes x 4 GPUs: 8 stages of 1 layer each
 When the TODOs are done, choose the schedule and the microbatches, e.g.
-    torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --schedule gpipe --microbatches 8
+    torchrun --standalone --nproc_per_node=2 train/pp_training.py --preset tiny --schedule gpipe \\
+        --microbatches 8 --overwrite
 and watch the idle share fall as the microbatches grow; --schedule zero-bubble splits every
 backward in two and fills the bubble with the half that nothing waits for. Every run draws the
 schedule it ran next to the theory's: OUT_DIR/pipeline_schedule.html (and .png).
@@ -74,7 +76,7 @@ def stage_layers(n_layers: int, num_stages: int, layers_per_stage=None) -> list[
 
 
 # TODO 34: Cut the model into stages: write split_pipeline_stage(model, stage_index, num_stages,
-# layers_per_stage=None), returning the model cut down to this stage. stage_layers (below)
+# layers_per_stage=None), returning the model cut down to this stage. stage_layers (above)
 # says which blocks each stage keeps; delete the others from the ModuleDict model.layers, so the
 # remaining keys keep their names and checkpoints match the whole model. Only the first stage
 # keeps the embeddings (token and position), only the last the final norm and the output layer:
@@ -219,8 +221,10 @@ def main():
             # TODO 37: The schedule runs forward, loss and backward for all microbatches in one
             # call, schedule.step: the first stage passes the tokens (as its positional
             # argument), the last the targets (target=) and an empty list (losses=) that receives
-            # the microbatch losses, a stage in the middle neither. Start the timer's step
-            # before it and append its idle fraction to idle_history after.
+            # the microbatch losses, a stage in the middle neither. It runs the backward passes
+            # too: zero the gradients before it (not between it and optimizer.step), and keep it
+            # inside the autocast block. Start the timer's step before it and append its idle
+            # fraction to idle_history after.
             with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32
                 logits = model(x)
                 loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
@@ -298,7 +302,8 @@ def main():
 
 
 # TODO 40: Evaluate through the pipeline: evaluate(model, loader, device, stage, schedule,
-# precision), called with eval_schedule and args.precision. Its forward-only schedule.eval(...)
+# precision), called with the training stage (it only asks it whether it is the first or the
+# last), eval_schedule and args.precision. Its forward-only schedule.eval(...)
 # takes the same arguments as schedule.step and runs under the same autocast, so that every
 # stage computes and sends the dtypes it trains in (bfloat16 on a GPU, where bf16 is the default).
 # The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:

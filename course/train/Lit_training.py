@@ -7,8 +7,8 @@ in utils/lit_model.py, the data loaders in utils/lit_data.py.
 
 Run it:
     python train/Lit_training.py --preset tiny --max-steps 50      # laptop: 2 CPU processes, DDP
-    python train/Lit_training.py --preset tiny --devices 1         # one process
-    python train/Lit_training.py --preset tiny --strategy fsdp2    # FSDP2 (ModelParallelStrategy)
+    python train/Lit_training.py --preset tiny --devices 1 --overwrite         # one process
+    python train/Lit_training.py --preset tiny --strategy fsdp2 --overwrite    # FSDP2 (ModelParallelStrategy)
     sbatch Lit_training.sbatch                                     # nodes and GPUs from Slurm
 Outside Slurm, Lightning starts the processes itself. Under srun it starts none: every Slurm task
 is one training process, and the nodes and processes per node come from the job.

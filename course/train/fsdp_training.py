@@ -10,7 +10,8 @@ Check your work at any moment with
 
 Run it (the same commands before and after the TODOs; compare the "memory per rank" lines):
     python train/fsdp_training.py --preset tiny --max-steps 50                           # 1 process
-    torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 50
+    torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 50 \\
+        --overwrite                                   # 2 processes, in place of the first run
     sbatch fsdp_training.sbatch                                                  # 2 nodes x 4 GPUs
 When the TODOs are done, continue a run from its last checkpoint (at any number of ranks):
     torchrun --standalone --nproc_per_node=2 train/fsdp_training.py --preset tiny --max-steps 100 \\
@@ -19,7 +20,7 @@ A run restarted by torchrun (a rank died, --max-restarts) or by Slurm (a requeue
 from its newest checkpoint by itself (--resume auto); --checkpoint-every bounds the steps lost:
     export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1  # or restarted workers may hang (pytorch#135712)
     torchrun --standalone --nproc_per_node=2 --max-restarts 1 train/fsdp_training.py \\
-        --preset tiny --max-steps 100 --checkpoint-every 10
+        --preset tiny --max-steps 100 --checkpoint-every 10 --overwrite
 """
 
 import itertools
@@ -47,7 +48,8 @@ from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_pr
 # TODO 17: Import FSDP2's fully_shard, MixedPrecisionPolicy and FSDPModule (the class every
 # sharded module becomes) from torch.distributed.fsdp, and from utils.checkpointing the
 # checkpoint helpers save_sharded_model, load_sharded_model and save_full_model and the resume
-# bookkeeping resume_checkpoint and resume_position. DDP and save0 are no longer needed.
+# bookkeeping resume_checkpoint and resume_position. DDP and save0 go once TODOs 19 and 22
+# replace their last uses (removed earlier, the run stops at a NameError before it gets there).
 #| exercise
 from torch.nn.parallel import DistributedDataParallel as DDP
 from utils.distributed_utils import save0
@@ -61,7 +63,7 @@ from utils.checkpointing import (load_sharded_model, resume_checkpoint, resume_p
 # TODO 18: Shard the model with FSDP2: write apply_fsdp(model, precision="fp32",
 # reshard_after_forward=True), returning the model, and its option --reshard-after-forward
 # {true,false} (--precision is every script's flag). Call fully_shard on each Transformer block
-# (model.layers) first, then on the whole model (the root: what is left, the embeddings, final
+# (the values of the ModuleDict model.layers) first, then on the whole model (the root: what is left, the embeddings, final
 # norm and output layer). Each call makes one FSDP unit: its parameters become DTensors split
 # over the ranks, gathered just before the unit's forward and backward and freed afterwards,
 # and its gradients are reduce-scattered so each rank keeps only its shard. Sharding every block
@@ -188,11 +190,11 @@ def main():
     # TODO 20: Save sharded checkpoints: define save_checkpoint(name, epoch, batches_done) that
     # saves into out_dir / "checkpoints" / name with save_sharded_model, called on every rank
     # (each writes its own shards into that one folder). Its train_state is a dict of what
-    # resuming needs besides the weights and the optimizer, written as JSON: the step, the epoch,
-    # the batches done in this epoch, the global batch, the best validation loss, the loss
-    # history (as floats) and the model's configuration (cfg.to_dict(), so a checkpoint of
-    # another model is refused). save_sharded_model also keeps every rank's random-number
-    # states: what dropout draws next.
+    # resuming needs besides the weights and the optimizer, written as JSON, under these keys:
+    # step, epoch, batches_done (in this epoch) and global_batch (resume_position reads them),
+    # best_val (the best validation loss), loss_history (as floats) and model_config
+    # (cfg.to_dict(): load_sharded_model refuses a checkpoint of another model).
+    # save_sharded_model also keeps every rank's random-number states: what dropout draws next.
     #| exercise
     #| solution
     def save_checkpoint(name, epoch, batches_done):

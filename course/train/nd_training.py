@@ -27,9 +27,9 @@ OUT_DIR/pipeline_schedule.html (and .png).
 Run it:
     python train/nd_training.py --preset tiny --max-steps 20                   # 1 x 1 x 1
     torchrun --standalone --nproc_per_node=8 train/nd_training.py --preset tiny --max-steps 20 \\
-        --pp 2 --dp 2 --tp 2 --microbatches 2                                   # 8 CPU processes
-    torchrun --standalone --nproc_per_node=2 train/nd_training.py --preset tiny --max-steps 20 \
-        --pp 2 --n-layers 4 --schedule interleaved-1f1b --microbatches 4     # 2 stages per rank
+        --pp 2 --dp 2 --tp 2 --microbatches 2 --overwrite                       # 8 CPU processes
+    torchrun --standalone --nproc_per_node=2 train/nd_training.py --preset tiny --max-steps 20 \\
+        --pp 2 --n-layers 4 --schedule interleaved-1f1b --microbatches 4 --overwrite  # 2 per rank
     sbatch nd_training.sbatch                 # 2 nodes x 4 GPUs: pp 2 (one per node) x dp 2 x tp 2
 """
 

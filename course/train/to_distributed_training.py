@@ -9,8 +9,9 @@ on several GPUs and nodes with DistributedDataParallel (DDP). Check your work at
 Run it:
     python train/to_distributed_training.py --preset small --max-steps 300      # laptop CPU
     sbatch to_distributed_training.sbatch                                        # one GPU
-When the TODOs are done:
-    torchrun --standalone --nproc_per_node=2 train/to_distributed_training.py --preset tiny --max-steps 50
+When the TODOs are done (--overwrite: in place of the results of the run before):
+    torchrun --standalone --nproc_per_node=2 train/to_distributed_training.py --preset tiny \\
+        --max-steps 50 --overwrite
     sbatch to_distributed_training.sbatch                                        # 2 nodes x 4 GPUs
 """
 
@@ -49,10 +50,11 @@ def main():
     out_dir = Path(args.out_dir)
     start_time = time.time()
 
-    # TODO 2: Replace the hand-made device with utils.distributed_utils.setup (it takes the
-    # seed and the --device choice). Under torchrun it joins the process group, picks this
-    # rank's GPU (or the CPU with gloo) and seeds every rank alike; it returns this process's
-    # local rank, global rank, device and the world size, which the later TODOs need.
+    # TODO 2: Replace the three lines below (the hand-made device, world_size = 1 and the seed)
+    # with one call to utils.distributed_utils.setup (it takes the seed and the --device
+    # choice). Under torchrun it joins the process group, picks this rank's GPU (or the CPU with
+    # gloo) and seeds every rank alike; it returns this process's local rank, global rank,
+    # device and the world size, which the later TODOs need.
     #| exercise
     device = torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")
     world_size = 1
@@ -162,7 +164,8 @@ def main():
             step += 1
             throughput.step(x.numel() * world_size)
             # TODO 7: Each rank's loss covers only its own batch: log the mean over all ranks
-            # (all_reduce_mean from utils.distributed_utils, on the detached loss).
+            # (all_reduce_mean from utils.distributed_utils, on the detached loss; it returns a
+            # new tensor, so it replaces the clone below).
             #| exercise
             # detach: keeping the graph alive would hold its memory; clone: loss_history keeps
             # it for the whole run, and the loss's own few bytes lie among the step's freed

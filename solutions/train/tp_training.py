@@ -12,12 +12,13 @@ Check your work at any moment with
 
 Run it (the TP degree defaults to the processes per node, so TP stays inside a node):
     python train/tp_training.py --preset tiny --max-steps 50                    # laptop CPU, 1 rank
-    torchrun --standalone --nproc_per_node=2 train/tp_training.py --preset tiny --max-steps 50
+    torchrun --standalone --nproc_per_node=2 train/tp_training.py --preset tiny --max-steps 50 \\
+        --overwrite                      # 2 ranks as TP 2, in place of the run before
     sbatch tp_training.sbatch                      # 2 nodes x 4 GPUs: TP 4 in a node, DP 2 across
 When the TODOs are done, `--tp N` chooses the degree (it must divide the world size, the
 number of heads and the MLP width), e.g.
-    torchrun --standalone --nproc_per_node=4 train/tp_training.py --preset tiny --tp 2 \
-        --max-steps 50                                                         # DP 2 x TP 2
+    torchrun --standalone --nproc_per_node=4 train/tp_training.py --preset tiny --tp 2 \\
+        --max-steps 50 --overwrite                                             # DP 2 x TP 2
 """
 
 import math
@@ -45,7 +46,9 @@ from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_pr
 # Replicate from torch.distributed.tensor, the tensor-parallel tools from
 # torch.distributed.tensor.parallel (parallelize_module, ColwiseParallel, RowwiseParallel,
 # loss_parallel), fully_shard from torch.distributed.fsdp in place of DDP (DONE 29 says why),
-# and save_full_model from utils.checkpointing in place of save0 (DONE 32).
+# and save_full_model from utils.checkpointing in place of save0 (DONE 32). DDP and save0 are
+# still used until TODOs 29 and 32 replace them: their imports go there, or the run stops at
+# a NameError before it reaches the TODOs in between.
 import os
 
 from torch.distributed.device_mesh import init_device_mesh
@@ -137,8 +140,9 @@ def main():
     # the ranks in a 2-D device mesh (init_device_mesh) with dimensions named "dp" and "tp":
     # world_size // tp replicas of tp ranks each. TP is the inner (last) dimension: ranks r and
     # r+1 share layers, so a TP group sits inside a node. Ask the mesh's "dp" dimension for this
-    # rank's data-parallel index (dp_rank), their number (dp_size) and its process group
-    # (dp_group): the next TODOs need them.
+    # rank's data-parallel index (dp_rank: its rank within that dimension, get_local_rank();
+    # get_rank() is the global rank), their number (dp_size) and its process group (dp_group):
+    # the next TODOs need them.
     check_tp_degree(args.tp, world_size, cfg)
     mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),
                             mesh_dim_names=("dp", "tp"))
@@ -245,7 +249,9 @@ def main():
             break
 
     # ---- evaluation, saving, summary ----
-    # DONE 31: the global batch is per replica. DONE 33: evaluate on the data-parallel group.
+    # DONE 31: the global batch is per replica; tell training_summary the data- and
+    # tensor-parallel sizes and this rank's parameter count. DONE 33: evaluate on the
+    # data-parallel group.
     test_loss = evaluate(model, test_loader, device, dp_group)
     summary = training_summary(
         args, cfg, corpus, world_size=world_size, steps=step, loss_history=loss_history,
