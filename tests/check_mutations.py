@@ -35,6 +35,11 @@ MISTAKES = [
      [("    local_rank, rank, device, world_size = setup(args.seed, args.device)\n",
        "    local_rank, rank, device, world_size = setup(args.seed, args.device)\n"
        "    world_size = 1\n")]),
+    ("ddp", DDP, "world_size from LOCAL_WORLD_SIZE (1 on each of two nodes)", 2,
+     [("import math\n", "import math\nimport os\n"),
+      ("    local_rank, rank, device, world_size = setup(args.seed, args.device)\n",
+       "    local_rank, rank, device, _ = setup(args.seed, args.device)\n"
+       "    world_size = int(os.environ[\"LOCAL_WORLD_SIZE\"])\n")]),
     ("ddp", DDP, "setup's arguments swapped", 2,
      [("setup(args.seed, args.device)", "setup(args.device, args.seed)")]),
     ("ddp", DDP, "training sampler with the local rank", 3,
@@ -1391,6 +1396,9 @@ MESSAGES = {
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
     "the sums over ranks thrown away (taken for in place)": ("new tensor",
                                                             "= all_reduce_sum(loss_sum)"),
+    "world_size = 1 left after setup": ("still 1 after setup()",
+                                        "delete the line `world_size = 1`"),
+    "world_size from LOCAL_WORLD_SIZE (1 on each of two nodes)": ("take world_size from setup()",),
     "validation on rank 0 only": ("every rank must call evaluate()",),
     "the evaluation schedule on the training's stage": ("its own",
                                                         "eval_stage = PipelineStage("),
@@ -1517,6 +1525,9 @@ ONLY_FIXED = {
     "the process group destroyed right after the test evaluation": {11},
     "set_epoch(epoch + 1)": {6},  # (TODO 7 and 10 wait: another order than one process's)
     "the loss averaged for the step line only": {7},
+    # a sampler of "1 replica" on rank 1 stops the run: TODO 2's world_size, not TODO 3's
+    "world_size = 1 left after setup": {2},
+    "world_size from LOCAL_WORLD_SIZE (1 on each of two nodes)": {2},
     "--ntasks=1 for the whole job": {15},
     "#SBATCH --gres after the first command": {12},
     "the sampler's rank from the processes, its count from the replicas": {27},  # (TODO 31-33 wait: the replicas train on other data)
