@@ -1394,7 +1394,7 @@ MESSAGES = {
     "set_precision's answer not kept (auto stays auto)": ("args.precision = set_precision",),
     "fused when the device equals the string 'cuda'": ("on a GPU", "fused=False"),
     "the loss averaged over all processes, TP copies included": ("group=dp_group",),
-    "the sums over ranks thrown away (taken for in place)": ("new tensor",
+    "the sums over ranks thrown away (taken for in place)": ("new tensor", "throw them away",
                                                             "= all_reduce_sum(loss_sum)"),
     "world_size = 1 left after setup": ("still 1 after setup()",
                                         "delete the line `world_size = 1`"),

@@ -118,9 +118,9 @@ def check(ctx) -> None:
     elif check_losses(ctx, run, ref, 7):
         check_tokens(ctx, run, 7, BATCH * 2 * SEQ_LEN, "throughput.step(x.numel() * world_size)")
     elif discarded.get("main"):
-        name, line = discarded["main"]
+        name, where = discarded["main"]
         rep.fail(7, f"{name} returns the mean as a new tensor and leaves its argument alone: "
-                 f"line {line} throws it away; step_loss = all_reduce_mean(loss.detach())")
+                 f"{where}; step_loss = all_reduce_mean(loss.detach())")
     elif near(r0["param_sum"], ref.ranks[0]["param_sum"], 1e-5):
         rep.fail(7, "the weights match the single-process run, so training is right, but the "
                  "logged loss is rank 0's own: step_loss = all_reduce_mean(loss.detach())")
@@ -132,7 +132,7 @@ def check(ctx) -> None:
         hint = ("add up loss_sum and tokens over the ranks (all_reduce_sum) before dividing"
                 if "evaluate" not in discarded else
                 f"{discarded['evaluate'][0]} returns the sum as a new tensor and leaves its "
-                f"argument alone, and line {discarded['evaluate'][1]} throws it away: "
+                f"argument alone, and {discarded['evaluate'][1]}: "
                 "loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)")
         check_eval_exact(ctx, run, 8, hint)
     elif rep.judged(8):
@@ -198,8 +198,9 @@ def averaged_for_print_only(run, ref) -> bool:
 
 
 def discarded_results(ctx, run) -> dict:
-    """{function: (helper, line)} where the script calls all_reduce_sum or all_reduce_mean as a
-    statement of its own: they return the result, a new tensor, and leave the argument alone."""
+    """{function: (helper, its lines)} where the script calls all_reduce_sum or all_reduce_mean
+    as a statement of its own: they return the result, a new tensor, and leave the argument
+    alone. The lines as words: "line 196 throws it away", "lines 196 and 197 throw them away"."""
     lines = {c["line"]: (c["name"], c["func"]) for name in ("all_reduce_sum", "all_reduce_mean")
              for c in calls(run, name) if c.get("direct")}
     try:
@@ -215,8 +216,16 @@ def discarded_results(ctx, run) -> dict:
             for line in range(node.lineno, (node.end_lineno or node.lineno) + 1):
                 if line in lines:
                     name, func = lines[line]
-                    found.setdefault(func, (name, node.lineno))
-    return found
+                    found.setdefault(func, (name, []))[1].append(node.lineno)
+                    break
+    return {func: (name, throw_away(sorted(set(where)))) for func, (name, where) in found.items()}
+
+
+def throw_away(lines: list[int]) -> str:
+    """'line 196 throws it away', 'lines 196 and 197 throw them away'."""
+    if len(lines) == 1:
+        return f"line {lines[0]} throws it away"
+    return f"lines {', '.join(map(str, lines[:-1]))} and {lines[-1]} throw them away"
 
 
 def one_sided_collective(run) -> tuple[int, str] | None:
