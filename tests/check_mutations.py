@@ -1387,7 +1387,7 @@ MESSAGES = {
     "the bus factor by integer division (2 * (n - 1) // n is 1)": ("//", "with /"),
     "the latency returned in milliseconds": ("milliseconds: return seconds",),
     "the bus bandwidth in bits per second": ("not bits",),
-    "device_ids by the global rank (GPU 2 on a node of 2)": ("2 nodes x 2 GPUs",
+    "device_ids by the global rank (GPU 2 on a node of 2)": ("2 stand-in GPUs",
                                                              "device_ids=[local_rank]"),
     "the clock read before synchronize": ("synchronize(device)",),
     "the profiler records the CPU only, also on a GPU": ("ProfilerActivity.CUDA",),

@@ -517,7 +517,7 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
                       f"{todo_sampler}'s sampler gives each replica its own shard")
     if not problems:
         each = len(firsts[0])
-        rep.ok(todo_sampler, f"each of the {replicas} replica(s) trains on its own shard "
+        rep.ok(todo_sampler, f"each of the {replicas} replicas trains on its own shard "
                              f"({each} samples per epoch)" if replicas > 1 else
                              "the ranks of the one replica read the same batches")
         rep.ok(todo_loader, "the training DataLoader takes its batches from the sampler")

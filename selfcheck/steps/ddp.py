@@ -46,7 +46,7 @@ def check(ctx) -> None:
               reference=True)
     run = Run(ctx.work, "yours", ctx.script, BATCH, geometry=TWO_NODES, eval_probe=True)
     # two nodes of two GPUs each, stand-ins (selfcheck/standin.py): the script's cuda branches
-    gpu = Run(ctx.work, "stand-in gpus", ctx.script, BATCH, geometry=Geometry(2, 2), gpu=True,
+    gpu = Run(ctx.work, "stand-in-gpus", ctx.script, BATCH, geometry=Geometry(2, 2), gpu=True,
               extra=["--max-steps", "2"])
     ref.wait(), run.wait(), gpu.wait()
     if ref.crashed:
@@ -440,14 +440,15 @@ def check_ddp(ctx, run, ref) -> None:
 
 
 def check_ddp_on_gpus(ctx, run, gpu) -> None:
-    """TODO 5 on two nodes of two GPUs: each process's DDP gets the GPU of its local rank."""
+    """TODO 5 on two pretend nodes of two stand-in GPUs: each process's DDP gets the GPU of its
+    local rank."""
     rep = ctx.report
     if run.crashed or rep.failed(5) or not rep.judged(5):
         return
     if gpu.crashed:
         f = gpu.failure
         if f is not None and crash_todo(ctx, f) == 5 and not standin.beyond_the_standin(f):
-            rep.fail(5, f"on two nodes with 2 GPUs each (the check's stand-ins) the run would "
+            rep.fail(5, f"on 2 pretend nodes x 2 stand-in GPUs the run would "
                      f"stop{f.where()} with: {f.message}")
         return
     for rank, record in enumerate(gpu.ranks):
@@ -461,15 +462,16 @@ def check_ddp_on_gpus(ctx, run, gpu) -> None:
             why = (" (the global rank: there is no such GPU on a node of 2)" if ids == [rank]
                    and rank != local else " (every process of the node on one GPU)"
                    if ids and ids[0] == 0 and local != 0 else "")
-            rep.fail(5, f"on 2 nodes x 2 GPUs, rank {rank} (node {node}, local rank {local}) "
-                     f"gives DDP device_ids={ids}{why}: device_ids=[local_rank] on a GPU, "
-                     "the GPU setup() gave this process")
+            rep.fail(5, f"on 2 pretend nodes x 2 stand-in GPUs, rank {rank} (node {node}, "
+                     f"local rank {local}) gives DDP device_ids={ids}{why}: "
+                     "device_ids=[local_rank] on a GPU, the GPU setup() gave this process")
             return
         if ddp.get("output_device") not in (None, local):
             rep.fail(5, f"rank {rank} gives DDP output_device={ddp['output_device']}, its GPU "
                      f"is {local}: leave output_device out (it defaults to device_ids[0])")
             return
-    rep.ok(5, "on 2 nodes x 2 GPUs each process's DDP uses the GPU of its local rank")
+    rep.ok(5, "on 2 pretend nodes x 2 stand-in GPUs each process's DDP uses the GPU of its "
+           "local rank")
 
 
 def check_saves(ctx, run, ref) -> None:
