@@ -304,6 +304,21 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
                out_dir=env["OUT_DIR"])
 
 
+PROFILE_SOURCE = re.compile(r"^\s*(?:source|\.)\s+\S*sites/job\.sh\b")
+
+
+def unbound_message(name: str, text: str, line: int | None) -> str:
+    """What to change for a variable that set -u stopped at: a SITE_* value used before the
+    line that sources the site profile (which sets it), or one never set at all."""
+    sources = [i for i, l in enumerate(text.splitlines(), 1) if PROFILE_SOURCE.match(l)]
+    if name.startswith("SITE_") and line and (not sources or min(sources) > line):
+        return (f"{name} comes from the site profile: put this line after `source "
+                f"sites/job.sh` (line {min(sources)})" if sources else
+                f"{name} comes from the site profile: `source sites/job.sh` before this line")
+    return (f"${name} is used but never set (set -u stops there): set it before this line, "
+            f"or write ${{{name}:-default}}")
+
+
 NPROC_OPTION = re.compile(r"--nproc[_-]per[_-]node[= ]\"?\$\{?(\w+)")
 
 
@@ -318,8 +333,7 @@ def launch_problems(job: Job, text: str) -> list[str]:
         line, message = job.bash_error()
         m = re.search(r"(\w+): unbound variable", message)
         if m:
-            message = (f"${m.group(1)} is used but never set (set -u stops there): set it "
-                       f"before this line, or write ${{{m.group(1)}:-default}}")
+            message = unbound_message(m.group(1), text, line)
         elif job.returncode == 141:
             message = ("a reader stopped a pipeline early (head -n 1, or awk's exit), and the "
                        "writer died of SIGPIPE, which set -o pipefail turns into a failed job: "

@@ -231,6 +231,9 @@ MISTAKES = [
     ("sbatch", SBATCH, "a MASTER_PORT set before the job replaced", 14,
      [("export MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 10000))}",
        "export MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))")]),
+    ("sbatch", SBATCH, "CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS before the site profile is sourced", 12,
+     [("export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n", ""),
+      ("set -euo pipefail\n", "set -euo pipefail\nexport CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n")]),
     # ---- FSDP --------------------------------------------------------------------------
     ("fsdp", FSDP, "fully_shard not imported", 17,
      [("from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard",
@@ -1399,6 +1402,10 @@ MESSAGES = {
     "world_size = 1 left after setup": ("still 1 after setup()",
                                         "delete the line `world_size = 1`"),
     "world_size from LOCAL_WORLD_SIZE (1 on each of two nodes)": ("take world_size from setup()",),
+    "CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS before the site profile is sourced": (
+        "SITE_GPU_IDS comes from the site profile", "after `source sites/job.sh`"),
+    "$SITE_GPU_IDS used before the site profile is sourced": (
+        "SITE_GPU_IDS comes from the site profile", "after `source sites/job.sh`"),
     "validation on rank 0 only": ("every rank must call evaluate()",),
     "the evaluation schedule on the training's stage": ("its own",
                                                         "eval_stage = PipelineStage("),
@@ -1857,6 +1864,10 @@ JOB_FILE_MISTAKES = [
     ("sbatch", "preflight.sbatch", "one process per node in the rendezvous test",
      [('--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node="$NPROC_PER_NODE"',
        '--nnodes="$SLURM_JOB_NUM_NODES" --nproc_per_node=1')]),
+    ("sbatch", "collectives.sbatch", "$SITE_GPU_IDS used before the site profile is sourced",
+     [("export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS  # every GPU of the node, as in every job file\n",
+       ""),
+      ("set -euo pipefail\n", "set -euo pipefail\nexport CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n")]),
 ]
 JOB_FILE_CORRECT = [
     ("sbatch", "collectives.sbatch", "the processes per node from Slurm's SLURM_GPUS_ON_NODE",

@@ -124,6 +124,8 @@ def test_a_job_file_without_todos_gets_a_fix_line_of_its_own(tmp_path, step, job
     assert code == 1, text
     line = re.search(rf"^  FIX +{re.escape(job_file)}: (.*)$", text, re.M)
     assert line and len(line.group(1)) > 30, f"{what}\n{text}"
+    for words in MESSAGES.get(what, ()):
+        assert words in line.group(1), f"{what}: the line does not say {words!r}\n{line.group(1)}"
     assert "Traceback" not in text and "could not finish" not in text, text
 
 

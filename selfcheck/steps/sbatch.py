@@ -57,8 +57,7 @@ def stopped(ctx, job, todo_default=None) -> bool:
     todo = ctx.todo_of(line) if line else None
     m = re.search(r"(\w+): unbound variable", message)
     if m:
-        message = (f"${m.group(1)} is used but never set (set -u stops there): set it before "
-                   "this line, or write ${" + m.group(1) + ":-default}")
+        message = slurm.unbound_message(m.group(1), ctx.text, line)
     elif job.returncode == 141:
         message = ("a reader stopped a pipeline early (head -n 1, or awk's exit), and the "
                    "writer died of SIGPIPE, which set -o pipefail turns into a failed job: "
