@@ -151,6 +151,9 @@ class Job:
     directives: dict = field(default_factory=dict)
     nodes: tuple = ()
     out_dir: str = ""
+    job_id: str = ""
+    command: str = ""   # how it was submitted: "NSYS=1 sbatch FILE --max-steps 5"
+    args: tuple = ()    # the arguments the check gave the job file (sbatch FILE ARGS)
 
     def of(self, cmd: str, node: int | None = None) -> list[dict]:
         return [e for e in self.launches if e["cmd"] == cmd and (node is None or e["node"] == node)]
@@ -300,8 +303,10 @@ def submit(script: Path, work: Path, args=("--epochs", "1"), job_id: str = "4242
     except subprocess.TimeoutExpired as e:
         result = (124, e.stdout or "", (e.stderr or "") + f"\nno end after {timeout} s")
     launches = [json.loads(l) for l in log.read_text().splitlines() if l.strip()]
+    command = shlex.join([*(f"{k}={v}" for k, v in (env_extra or {}).items()), "sbatch",
+                          Path(script).name, *args])
     return Job(*result, launches=launches, directives=directives, nodes=names,
-               out_dir=env["OUT_DIR"])
+               out_dir=env["OUT_DIR"], job_id=job_id, command=command, args=tuple(args))
 
 
 PROFILE_SOURCE = re.compile(r"^\s*(?:source|\.)\s+\S*sites/job\.sh\b")
@@ -390,17 +395,21 @@ def describe(job: Job, text: str = "") -> list[str]:
     keys = ("MASTER_ADDR", "MASTER_PORT", "CUDA_VISIBLE_DEVICES", "NPROC_PER_NODE",
             "SLURM_NODEID", "SLURM_PROCID", "SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS",
             "HF_HUB_OFFLINE", "COURSE_DATA_CACHE")
-    lines = [f"sbatch {' '.join(f'{k}={v}' if v else k for k, v in job.directives.items())}",
-             f"job on {len(job.nodes)} node(s): {', '.join(job.nodes)}"]
+    lines = [f"{job.command}: pretend job {job.job_id} on {len(job.nodes)} node(s), "
+             f"{', '.join(job.nodes)}" + (f" ({' '.join(job.args)}: added by the check to keep "
+                                          "the run short)" if job.args else ""),
+             f"#SBATCH {' '.join(f'{k}={v}' if v else k for k, v in job.directives.items())}"]
     for e in job.of("srun"):
         lines.append(f"srun {' '.join(e['options'])}: {e['tasks_per_node']} task(s) on each "
                      f"of {e['nodes']} node(s)")
     for e in job.workers() + job.of("nsys"):
         node = job.nodes[e["node"]] if 0 <= e["node"] < len(job.nodes) else "?"
         what = (f"{e['processes']} process(es)" if "processes" in e else "")
-        lines.append(f"  {node} task {e['task']}: {e['cmd']} {shlex.join(e['args'])}"
-                     + (f"   -> {what}" if what else ""))
         env = e.get("env", {})
+        # srun's task number in the job step (SLURM_PROCID), or the batch script itself
+        task = f"task {env['SLURM_PROCID']}" if "SLURM_PROCID" in env else "(no srun)"
+        lines.append(f"  {node} {task}: {e['cmd']} {shlex.join(e['args'])}"
+                     + (f"   -> {what}" if what else ""))
         shown = [f"{k}={env[k]}" for k in keys if k in env]
         if shown:
             lines.append("      " + " ".join(shown))

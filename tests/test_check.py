@@ -414,9 +414,26 @@ def test_every_todo_has_a_hint_before_the_solution_lines(step):
 def test_the_dry_run_shows_what_srun_starts_on_every_node(tmp_path):
     code, text, _ = run_check("sbatch", ROOT / "solutions" / step_module("sbatch").FILE, "--show")
     assert code == 0
-    starts = [l for l in text.splitlines() if "torchrun" in l and "task 0" in l]
-    assert len(starts) == 2 and "jrc0001" in starts[0] and "jrc0002" in starts[1], text
+    starts = [l for l in text.splitlines() if "torchrun" in l and " task " in l]
+    assert len(starts) == 2 and "jrc0001 task 0:" in starts[0], text
+    assert "jrc0002 task 1:" in starts[1], text  # (srun's task number, SLURM_PROCID)
     assert "4 process(es)" in starts[0] and "--rdzv_conf=is_host=1" in starts[0], text
     assert "MASTER_ADDR=10.10.0.1" in text and "CUDA_VISIBLE_DEVICES=0,1,2,3" in text, text
+    # the job id the check's own lines use (its port, 27421), named in the header; no
+    # arguments the job file was not given
+    job = step_module("sbatch").JOB_IDS[0]
+    assert text.splitlines()[0].startswith(f"sbatch to_distributed_training.sbatch: pretend "
+                                           f"job {job} on 2 node(s)"), text
+    assert f"--rdzv_id={job}" in starts[0] and "MASTER_PORT=27421" in text, text
+    assert "--epochs" not in text, text
     code, text, _ = run_check("sbatch", ROOT / step_module("sbatch").FILE, "--show")
     assert code == 0 and "python -u train/to_distributed_training.py" in text, text
+
+
+def test_the_dry_run_says_which_arguments_the_check_added():
+    """perf-sbatch --show submits with --max-steps 5: the header says the check added it."""
+    code, text, _ = run_check("perf-sbatch", ROOT / "solutions" / step_module("perf-sbatch").FILE,
+                              "--show")
+    first = text.splitlines()[0]
+    assert code == 0 and first.startswith("NSYS=1 sbatch perf_training.sbatch --max-steps 5:"), text
+    assert "(--max-steps 5: added by the check to keep the run short)" in first, text

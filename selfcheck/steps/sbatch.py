@@ -32,7 +32,10 @@ PRESET_PORT = "24680"
 
 
 def show(script, work) -> list[str]:
-    return slurm.describe(slurm.submit(script, work), Path(script).read_text())
+    """The dry run: the job file as submitted without arguments, under the job id the check's
+    two-node run has (so the port shown is the one its line names)."""
+    return slurm.describe(slurm.submit(script, work, args=(), job_id=JOB_IDS[0]),
+                          Path(script).read_text())
 
 
 def what_of(text: str) -> str:
