@@ -69,6 +69,7 @@ def test_the_solution_is_all_good(tmp_path, step, check_cache):
     code, text, flagged = run_check(step, copy_of(tmp_path, step_module(step).FILE))
     assert code == 0 and text.rstrip().endswith("all good"), text
     assert not flagged
+    assert f"({step_module(step).WHAT}) ..." in text.splitlines()[0], text  # (DONE, not TODO)
     lines = [l for l in text.splitlines() if re.match(r"^  ok +TODO \d+", l)]
     assert len(lines) == len(step_module(step).TODOS), "one ok line per TODO\n" + text
     # and no rank imported a torch module its fork server had not imported, or walked torch's

@@ -43,8 +43,9 @@ def what_of(text: str) -> str:
 
 
 def has_todos(text: str) -> bool:
-    """Whether a job file is the DDP exercise (its TODO comments), not another job file."""
-    return any(re.search(rf"^\s*#\s*TODO {n}\b", text, re.M) for n in TODOS)
+    """Whether a job file is the DDP exercise (its TODO comments, DONE in the solution), not
+    another job file."""
+    return any(re.search(rf"^\s*#\s*(TODO|DONE) {n}\b", text, re.M) for n in TODOS)
 
 
 def source_line(text: str, n: int) -> str:
