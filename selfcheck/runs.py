@@ -203,7 +203,7 @@ class Run:
                  geometry: Geometry = ONE, env: dict | None = None, reference: bool = False,
                  eval_probe: bool = False, optional: dict | None = None, gpu: bool = False):
         self.name, self.script, self.geometry = name, Path(script), geometry
-        self.dir = work / name
+        self.dir = work / name.replace(" ", "-")  # a folder name a shell takes as one word
         self.out = self.dir / "out"
         self.procs, self.store = [], None
         self.args = run_args(work / "data", self.dir / "cache", self.out, batch, extra)
