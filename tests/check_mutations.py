@@ -560,6 +560,9 @@ MISTAKES = [
        "local_params = sum(p.numel() for p in model.parameters())")]),
     ("tp", TP, "the blocks sharded without the dp mesh", 29,
      [('        fully_shard(block, mesh=mesh["dp"])', "        fully_shard(block)")]),
+    ("tp", TP, "dp_rank from mesh['dp'].get_rank() (the global rank)", 26,
+     [('dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()',
+       'dp_rank, dp_size = mesh["dp"].get_rank(), mesh["dp"].size()')]),
     # ---- PP ----------------------------------------------------------------------------
     ("pp", PP, "every stage keeps the final norm", 34,
      [("        model.norm = model.output = None", "        model.output = None")]),
@@ -1291,7 +1294,8 @@ MESSAGES = {
     "--reshard-after-forward as type=bool": ("type=bool", "choices=['true', 'false']"),
     "--reshard-after-forward as store_true": ("choices=['true', 'false']",),
     "tokens of one replica (not times dp_size)": ("x.numel() * dp_size",),
-    "params_per_rank left out of the summary": ("params_per_rank=local_params",),
+    "params_per_rank left out of the summary": ("TODO 31 (per replica): params_per_rank is "
+                                                "missing", "params_per_rank=local_params"),
     "the training sampler of one replica (both replicas read the same batches)": (
         "num_replicas=dp_size, rank=dp_rank",),
     "the output layer's logits replicated": ("whole on every rank", "without output_layouts"),
@@ -1468,6 +1472,7 @@ MESSAGES = {
                                                       "src=num_stages - 1"),
     "the evaluation's padded targets 0": ("IGNORE_INDEX", "pad the targets"),
     "the evaluation's padding counted in the tokens": ("(y != IGNORE_INDEX).sum()",),
+    "dp_rank from mesh['dp'].get_rank() (the global rank)": ("mesh['dp'].get_local_rank()",),
     "evaluation with the training schedule": ("eval_schedule",),
     "the evaluation's microbatch sums averaged": ("torch.stack(losses).sum()",),
     "the logged loss undivided, backward on the divided loss": ("gradients are right",
@@ -1584,6 +1589,7 @@ ONLY_FIXED = {
     "the embedding's input not replicated": {24},
     "the mesh's names the other way round": {26},
     "dp_group from the tp dim": {26},
+    "dp_rank from mesh['dp'].get_rank() (the global rank)": {26},
     # a send/receive step that breaks (a request dropped unwaited, a neighbour that does not
     # exist): the hang that follows, in the reduce-scatter, is TODO 49's
     "only the last request of batch_isend_irecv waited for": {49},

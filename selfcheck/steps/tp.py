@@ -441,13 +441,23 @@ def check_summary(ctx, run) -> None:
     r0 = run.ranks[0]
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp")
     dp = run.geometry.world // tp if tp else None
-    if s.get("tensor_parallel_size") != tp or s.get("global_batch_size") != BATCH * (dp or 1) \
-            or s.get("params_per_rank") is None:
-        rep.fail(31, f"summary.json says tensor_parallel_size {s.get('tensor_parallel_size')}, "
-                 f"global batch {s.get('global_batch_size')}, params_per_rank "
-                 f"{s.get('params_per_rank')}: training_summary(..., "
-                 "data_parallel_size=dp_size, tensor_parallel_size=args.tp, "
-                 "params_per_rank=local_params)")
+    problems = []  # what is missing or wrong first, each with what to pass
+    if s.get("params_per_rank") is None:
+        problems.append("params_per_rank is missing from summary.json: pass "
+                        "params_per_rank=local_params to training_summary")
+    if s.get("tensor_parallel_size") is None:
+        problems.append("tensor_parallel_size is missing from summary.json: pass "
+                        "tensor_parallel_size=args.tp to training_summary")
+    elif s["tensor_parallel_size"] != tp:
+        problems.append(f"summary.json's tensor_parallel_size is {s['tensor_parallel_size']}, "
+                        f"the run has tp {tp}: tensor_parallel_size=args.tp")
+    if s.get("global_batch_size") != BATCH * (dp or 1):
+        problems.append(f"summary.json's global batch is {s.get('global_batch_size')}, expected "
+                        f"{BATCH * (dp or 1)} (--batch-size {BATCH} times {dp} replica(s); "
+                        "without data_parallel_size training_summary counts every process): "
+                        "data_parallel_size=dp_size to training_summary")
+    if problems:
+        rep.fail(31, "; ".join(problems))
 
 
 HINTS = {
