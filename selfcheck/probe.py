@@ -58,6 +58,9 @@ class Probe:
         self.on_print = None  # the stand-in GPU's timeline takes the printed lines too
         self.autocasts_open = 0  # autocast contexts (the course's or torch's) entered, not left
         self.evaluating = 0  # inside a pipeline schedule's eval()
+        # a training schedule.step since the last optimizer step: its backward passes filled
+        # .grad (they run through torch.autograd, not Tensor.backward)
+        self.schedule_stepped = False
 
     # ------------------------------------------------------------------ where a call came from
     def script_line(self, depth: int = 2) -> tuple[str, int] | None:
@@ -410,6 +413,9 @@ class Probe:
         def schedule_call(kind):
             def before(self, *a, target=None, losses=None, **k):
                 stage = getattr(self, "_stage", None)
+                if kind == "step" and not probe.evaluating and not getattr(
+                        self, "_check_by_course", False):
+                    probe.schedule_stepped = True
                 if len(record["schedule_calls"]) < 50:
                     record["schedule_calls"].append({
                         "kind": kind, "args": len(a), "target": target is not None,
@@ -537,6 +543,7 @@ class Probe:
                 if len(counted.setdefault("backwards_per_step", [])) < 20:
                     counted["backwards_per_step"].append(since["since_step"])
                 since["since_step"] = 0
+                probe.schedule_stepped = False
 
         def step_post(optimizer, *a):
             since["depth"] -= 1
@@ -553,7 +560,11 @@ class Probe:
             counted["zero_grads"] = counted.get("zero_grads", 0) + 1  # (the pipeline: any at all)
             if since["backwards"] and not since["depth"]:
                 counted["discarding_zero_grads"] += 1
+            if probe.schedule_stepped and not since["depth"]:  # between schedule.step and
+                counted["zero_grads_after_schedule"] = counted.get(  # optimizer.step
+                    "zero_grads_after_schedule", 0) + 1
             since["backwards"] = 0
+            probe.schedule_stepped = False
         from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                            register_optimizer_step_pre_hook)
         register_optimizer_step_pre_hook(step_pre)

@@ -63,7 +63,9 @@ def check(ctx) -> None:
                                                                         ctx.status.get(35) == "edited"):
         check_training_shards(ctx, run, 35, 35, replicas=1, replica_of=lambda r: 0,
                               made_is_attempt=False, given_as="num_replicas=1, rank=0")
-        if not (eval_wrong and run.crashed):
+        if in_evaluate(run):  # a rank stopped midway through a split: its reads are partial
+            check_eval_samplers(ctx, run)
+        elif not (eval_wrong and run.crashed):
             check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
                              made_is_attempt=False)
     if calls_judged:
@@ -79,7 +81,7 @@ def check(ctx) -> None:
         rep.note(f"(full output: {run.dir / 'output.txt'})")  # crash follows from TODO 34
         return
     if run.crashed:
-        report_crash(ctx, run)
+        report_crash(ctx, run, cause=known_cause(run))
         rep.note(f"(full output: {run.dir / 'output.txt'})")
         return
     if not staged:
@@ -196,6 +198,11 @@ def check_split(ctx, run, n_layers) -> bool:
     records = run.ranks
     if any("layers" not in r for r in records):
         return False
+    if any(r.get("error") and not all(c.get("returned") for c in
+                                      r.get("own_calls", {}).get("split_pipeline_stage", [{}]))
+           for r in records):
+        rep.attempt(34)  # it stopped midway: what it left is no layout, the crash says why
+        return False
     layers = [r["layers"] for r in records]
     if all(l == list(range(n_layers)) for l in layers) and all(
             all(r["parts"].values()) for r in records):
@@ -254,6 +261,43 @@ def check_split(ctx, run, n_layers) -> bool:
         rep.ok(34, "rank 0 holds the embeddings and the first half of the blocks, rank 1 the "
                "rest, the final norm and the output layer")
     return True
+
+
+def known_cause(run) -> str | None:
+    """What usually causes an error of this step's code (None: the common causes)."""
+    f = run.failure
+    message = f.message if f else ""
+    if "changed size during iteration" in message:
+        return ("a loop over model.layers cannot delete from it as it goes: loop over a copy "
+                "of its names (for name in list(model.layers))")
+    if in_evaluate(run) and not any(script_calls(r, "eval") for r in run.ranks if r):
+        # evaluate runs the model itself: a stage's part gets what the whole model would
+        return ("evaluate still runs model(x) itself, so the tokens reach a stage without the "
+                "embeddings: evaluate through the pipeline, schedule.eval(...) inside "
+                "evaluate(model, loader, device, stage, eval_schedule, args.precision)")
+    return None
+
+
+def in_evaluate(run) -> bool:
+    """A rank stopped inside the script's evaluate (on its own, or waiting there)."""
+    f = run.failure
+    return bool(f) and any(fr.get("func") == "evaluate" for p in (f, *f.peers)
+                           for fr in p.frames)
+
+
+def check_eval_samplers(ctx, run) -> None:
+    """TODO 35 for a run that stopped inside evaluate (the samples read are partial): the
+    evaluation samplers' arguments, where they were given."""
+    for rank, r in enumerate(run.ranks):
+        for s in sampler_records(r):
+            given = s["given"]
+            if s["dataset"] in (1, 2) and (given.get("num_replicas", 1) != 1
+                                           or given.get("rank", 0) != 0):
+                ctx.report.fail(35, f"rank {rank}'s evaluation sampler has num_replicas="
+                                f"{given.get('num_replicas')}, rank={given.get('rank')}: the "
+                                "stages of a pipeline are one replica, DistributedEvalSampler("
+                                "val_ds, num_replicas=1, rank=0), the same for test")
+                return
 
 
 def split_index(record) -> int | None:
@@ -437,6 +481,13 @@ def check_schedule_calls(ctx, run) -> None:
         ctx.extra["pp_crash_explained"] = run.crashed  # (the ranks then wait apart)
         ctx.extra["pp_training_differs"] = True
         return
+    if any(n.get("zero_grads_after_schedule") for n in counts):
+        rep.fail(37, "the gradients are zeroed after schedule.step, before optimizer.step "
+                 "(which then has no gradients to step with): move optimizer.zero_grad("
+                 "set_to_none=True) before schedule.step (the schedule runs the backward "
+                 "passes itself)")
+        ctx.extra["pp_training_differs"] = True
+        return
     if any(n.get("steps", 0) >= 2 and not n.get("zero_grads") for n in counts):
         rep.fail(37, "optimizer.zero_grad() is never called: optimizer.zero_grad("
                  "set_to_none=True) before schedule.step (the schedule adds this step's "
@@ -540,13 +591,19 @@ def check_eval_crash(ctx, run) -> None:
 
 
 def check_eval_calls(ctx, run) -> None:
-    """TODO 40: schedule.eval under the autocast of schedule.step, and training mode after."""
+    """TODO 37: schedule.step under autocast; TODO 40: schedule.eval under the same autocast,
+    and training mode after."""
     rep = ctx.report
     for rank, r in enumerate(run.ranks):
         calls = [c for c in r.get("schedule_calls", [])
                  if not c.get("by_course") and not c.get("inside_eval")]
         steps = [c for c in calls if c["kind"] == "step" and "autocast" in c]
         evals = [c for c in calls if c["kind"] == "eval" and "autocast" in c]
+        if steps and not steps[0]["autocast"][0]:  # (the course's autocast, whatever dtype)
+            rep.fail(37, f"rank {rank} runs schedule.step outside any autocast: keep "
+                     "schedule.step inside the with autocast(args.precision, device): block "
+                     "(on a GPU it computes in bf16 there, as schedule.eval does)")
+            return
         if steps and evals and any(c["autocast"] != steps[0]["autocast"] for c in evals):
             ev = next(c["autocast"] for c in evals if c["autocast"] != steps[0]["autocast"])
             rep.fail(40, f"rank {rank} runs schedule.eval {describe_autocast(ev)}, "
