@@ -8,6 +8,7 @@ collective the other never called: its stack (the probe writes it on SIGUSR1) sh
 
 from __future__ import annotations
 
+import ast
 import re
 from dataclasses import dataclass, field
 
@@ -151,3 +152,44 @@ def analyse(run) -> Failure | None:
     first.others = {f.rank: f.message for f in order[1:]}
     first.peers = order[1:]
     return first
+
+
+def lost_import(message: str, source: str, text: str) -> tuple[str, int | None] | None:
+    """A NameError for a name the exercise as shipped imports and the file imports no longer
+    (an import line done before the TODO that replaces the name's use): (the name, the TODO
+    whose lines imported it, None for a line of no TODO)."""
+    from selfcheck.status import parse_blocks
+    m = re.search(r"name '(\w+)' is not defined", message)
+    if not m:
+        return None
+    shipped, owner = [], []
+    for kind, payload in parse_blocks(source):
+        todo, lines = (None, [payload]) if kind == "text" else payload
+        shipped += lines
+        owner += [todo] * len(lines)
+
+    def imports(code):
+        found = {}
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    found.setdefault(a.asname or a.name.split(".")[0], node.lineno)
+        return found
+    try:
+        was, now = imports("".join(shipped)), imports(text)
+    except SyntaxError:
+        return None
+    name = m.group(1)
+    if name not in was or name in now:
+        return None
+    return name, owner[was[name] - 1]
+
+
+def lost_import_cause(name: str, imported_by: int | None, line: int | None,
+                      used_by: int | None) -> str:
+    """What to do about a name whose import went before its use (lost_import)."""
+    where = f"TODO {imported_by}'s import lines" if imported_by else "the imports"
+    until = (f" until TODO {used_by} replaces that use" if used_by and used_by != imported_by
+             else " while the script uses it")
+    return (f"{name} is no longer imported ({where}), but line {line} still uses it: keep "
+            f"its import{until}")

@@ -51,6 +51,11 @@ class Report:
         if after is not None:
             self.after[(todo, text)] = after
 
+    def reached_otherwise(self, todo: int) -> None:
+        """`todo`'s run stops for another reason than the TODO done before it (an import
+        removed early): its line names no TODO the run got there by."""
+        self.after = {k: v for k, v in self.after.items() if k[0] != todo}
+
     def note(self, text: str) -> None:
         self.notes.append(text)
 
@@ -72,7 +77,7 @@ class Report:
 
     def needed_text(self, todo: int, text: str) -> str:
         after = self.after.get((todo, text))
-        if after is None:
+        if after is None or not self.judged(after):  # (not checked: no news of how it ran)
             return text
         state = "done" if self.judged(after) and not self.failed(after) else "changed"
         return f"{text} (the run gets here now that TODO {after} is {state})"

@@ -560,6 +560,11 @@ MISTAKES = [
        "local_params = sum(p.numel() for p in model.parameters())")]),
     ("tp", TP, "the blocks sharded without the dp mesh", 29,
      [('        fully_shard(block, mesh=mesh["dp"])', "        fully_shard(block)")]),
+    # TODO 23 done as its solution (DDP's import gone), TODO 29 as shipped: DDP still used
+    ("tp", TP, "DDP's import gone before TODO 29 replaces DDP", 29,
+     [('    for block in model.layers.values():\n        fully_shard(block, mesh=mesh["dp"])\n'
+       '    fully_shard(model, mesh=mesh["dp"])\n',
+       '    model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n')]),
     ("tp", TP, "dp_rank from mesh['dp'].get_rank() (the global rank)", 26,
      [('dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()',
        'dp_rank, dp_size = mesh["dp"].get_rank(), mesh["dp"].size()')]),
@@ -767,6 +772,15 @@ MISTAKES = [
      [("            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32\n"
        "                schedule.step(",
        "            if True:\n                schedule.step(")]),
+    # TODO 39's import line done (all_reduce_mean gone), TODO 38 as shipped: it still uses it
+    ("pp", PP, "all_reduce_mean's import gone before TODO 38 replaces it", 38,
+     [("            throughput.step(x.numel())\n"
+       "            step_loss = (torch.stack(losses).detach().mean() if stage.is_last\n"
+       "                         else torch.zeros((), device=device))\n"
+       "            dist.broadcast(step_loss, src=num_stages - 1)\n",
+       "            throughput.step(x.numel() * world_size)\n"
+       "            # Each rank's loss covers only its own batch: log the mean over all ranks.\n"
+       "            step_loss = all_reduce_mean(loss.detach())\n")]),
     # ---- the performance step ----------------------------------------------------------
     ("perf", PERF, "peak_flops and synchronize not imported", 41,
      [("from utils.metrics import peak_flops, synchronize\n", "")]),
@@ -1517,6 +1531,10 @@ MESSAGES = {
         "schedule.step"),
     "schedule.step outside the autocast": (
         "keep schedule.step inside the with autocast(args.precision, device): block",),
+    "all_reduce_mean's import gone before TODO 38 replaces it": (
+        "all_reduce_mean is no longer imported", "until TODO 38"),
+    "DDP's import gone before TODO 29 replaces DDP": (
+        "DDP is no longer imported (TODO 23's import lines)", "until TODO 29"),
     "dp_rank from mesh['dp'].get_rank() (the global rank)": ("mesh['dp'].get_local_rank()",),
     "evaluation with the training schedule": ("eval_schedule",),
     "the evaluation's microbatch sums averaged": ("torch.stack(losses).sum()",),
@@ -1635,6 +1653,9 @@ ONLY_FIXED = {
     "the mesh's names the other way round": {26},
     "dp_group from the tp dim": {26},
     "dp_rank from mesh['dp'].get_rank() (the global rank)": {26},
+    # an import gone before the TODO that replaces the name's use: no FIX for the import TODO
+    "DDP's import gone before TODO 29 replaces DDP": set(),
+    "all_reduce_mean's import gone before TODO 38 replaces it": set(),
     # a crash midway through split_pipeline_stage is no layout to judge
     "blocks deleted while the loop walks model.layers": {34},
     # a stage that crashed inside evaluate read part of a split: no sampler FIX from it

@@ -12,11 +12,12 @@ from __future__ import annotations
 import re
 
 from selfcheck.compare import near
+from selfcheck.failures import lost_import, lost_import_cause
 from selfcheck.runs import ONE, ONE_NODE_TWO, TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_tokens,
                                     check_training_shards, check_weights_file, crash_todo,
-                                    report_crash, usual_cause)
+                                    import_todo, rank_todo, report_crash, usual_cause)
 
 FILE = "train/tp_training.py"
 WHAT = "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"
@@ -52,6 +53,7 @@ def check(ctx) -> None:
     mesh = check_mesh(ctx, run)
     check_plan(ctx, run)
     if run.crashed:
+        lost = None
         if tp_after_fsdp(run):
             report_crash(ctx, run, todo=28, cause="apply_tp runs after fully_shard, which made "
                          "the parameters DTensors on the dp mesh already: TP first, model = "
@@ -74,10 +76,13 @@ def check(ctx) -> None:
             report_crash(ctx, run, todo=30, cause="the loss computed under loss_parallel() is a "
                          "DTensor: take it as a plain tensor, loss = loss.full_tensor(), before "
                          "all_reduce_mean and the loss history")
-        else:
+        elif not (lost := report_lost_import(ctx, run)):
             report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
         check_imports(ctx, 23, run) if not rep.failed(23) else None
+        if lost and lost[1] == 23 and rep.judged(23) and not rep.failed(23):
+            rep.verdicts[23] = [("ok", f"the step's new names are imported; {lost[0]}'s import "
+                                 f"went too early (TODO {lost[2]}'s line says why)")]
         return
     check_imports(ctx, 23, run)
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
@@ -135,6 +140,21 @@ def check(ctx) -> None:
         if mesh == "ok":  # (a wrong dp_group is said under TODO 26)
             check_reduction_groups(ctx, run, dp)
             check_replicas(ctx, nodes, ref)
+
+
+def report_lost_import(ctx, run) -> tuple | None:
+    """A NameError for a name the exercise imports as shipped (DDP, save0), whose import went
+    before the TODO that replaces its use: under the TODO of the line that uses it, with what
+    to do. (name, the TODO whose lines imported it, the TODO that uses it), or None."""
+    f = run.failure
+    lost = lost_import(f.message, ctx.source, ctx.text) if f else None
+    if lost is None or import_todo(ctx, lost[0]) is not None:
+        return None  # (a name the solution imports too: that TODO's import is missing)
+    used_by = rank_todo(ctx, f)
+    todo = report_crash(ctx, run, todo=used_by, cause=lost_import_cause(*lost, f.line, used_by))
+    if todo is not None:
+        ctx.report.reached_otherwise(todo)  # (not by the TODO done last)
+    return (*lost, used_by)
 
 
 def check_loss_parallel(ctx, run) -> None:
