@@ -669,16 +669,20 @@ MISTAKES = [
     ("pp", PP, "no broadcast after evaluation", 40,
      [("    dist.broadcast(loss_sum, src=dist.get_world_size() - 1)\n", "")]),
     ("pp", PP, "the last batch not padded", 40,
-     [("        if len(x) < loader.batch_size:\n", "        if False:\n")]),
+     [("        x, y = pad_batch(x, y, loader.batch_size)  # the pipeline's buffers have one shape\n",
+       "")]),
     ("pp", PP, "training mode not restored after evaluation", 40,
      [("    model.train()\n    return (loss_sum / tokens).item()",
        "    return (loss_sum / tokens).item()")]),
     ("pp", PP, "the loss broadcast on the last stage only", 38,  # the ranks wait apart
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            if stage.is_last:\n                dist.broadcast(step_loss, src=num_stages - 1)")]),
-    ("pp", PP, "the evaluation's inputs padded with IGNORE_INDEX", 40,
-     [("x = torch.cat([x, x.new_zeros(pad, x.shape[1])])",
-       "x = torch.cat([x, x.new_full((pad, x.shape[1]), IGNORE_INDEX)])")]),
+    ("pp", PP, "the evaluation's inputs padded with IGNORE_INDEX", 40,  # padded by hand
+     [("        x, y = pad_batch(x, y, loader.batch_size)  # the pipeline's buffers have one shape\n",
+       "        if len(x) < loader.batch_size:\n"
+       "            pad = loader.batch_size - len(x)\n"
+       "            x = torch.cat([x, x.new_full((pad, x.shape[1]), IGNORE_INDEX)])\n"
+       "            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])\n")]),
     ("pp", PP, "the training schedule built with the summing loss", 36,
      [("    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss)",
        "    schedule = build_schedule(args.schedule, stage, args.microbatches, lm_loss_sum)")]),
@@ -732,8 +736,12 @@ MISTAKES = [
     ("pp", PP, "the loss broadcast from each rank's own stage", 38,  # the ranks wait apart
      [("            dist.broadcast(step_loss, src=num_stages - 1)",
        "            dist.broadcast(step_loss, src=stage_index)")]),
-    ("pp", PP, "the evaluation's padded targets 0", 40,
-     [("y.new_full((pad, y.shape[1]), IGNORE_INDEX)", "y.new_zeros(pad, y.shape[1])")]),
+    ("pp", PP, "the evaluation's padded targets 0", 40,  # padded by hand
+     [("        x, y = pad_batch(x, y, loader.batch_size)  # the pipeline's buffers have one shape\n",
+       "        if len(x) < loader.batch_size:\n"
+       "            pad = loader.batch_size - len(x)\n"
+       "            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])\n"
+       "            y = torch.cat([y, y.new_zeros(pad, y.shape[1])])\n")]),
     ("pp", PP, "the evaluation's padding counted in the tokens", 40,
      [("        tokens += (y != IGNORE_INDEX).sum()", "        tokens += y.numel()")]),
     ("pp", PP, "blocks deleted while the loop walks model.layers", 34,  # RuntimeError midway
@@ -745,10 +753,7 @@ MISTAKES = [
        "test_loss = evaluate(model, test_loader, device)"),
       ("def evaluate(model, loader, device, stage, schedule, precision):",
        "def evaluate(model, loader, device):"),
-      ("        if len(x) < loader.batch_size:\n"
-       "            pad = loader.batch_size - len(x)\n"
-       "            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])\n"
-       "            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])\n"
+      ("        x, y = pad_batch(x, y, loader.batch_size)  # the pipeline's buffers have one shape\n"
        "        losses = []\n"
        "        with autocast(precision, device):  # the dtypes the stages send in training\n"
        "            schedule.eval(*((x,) if stage.is_first else ()),\n"
@@ -1520,7 +1525,7 @@ MESSAGES = {
     "the loss broadcast's result assigned": ("returns None", "without assigning"),
     "the loss broadcast from each rank's own stage": ("the same on every rank",
                                                       "src=num_stages - 1"),
-    "the evaluation's padded targets 0": ("IGNORE_INDEX", "pad the targets"),
+    "the evaluation's padded targets 0": ("IGNORE_INDEX", "pad_batch(x, y, loader.batch_size)"),
     "the evaluation's padding counted in the tokens": ("(y != IGNORE_INDEX).sum()",),
     "blocks deleted while the loop walks model.layers": (
         "line", "RuntimeError: dictionary changed size during iteration", "list(model.layers)"),

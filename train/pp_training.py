@@ -46,7 +46,7 @@ from utils.args import base_parser, positive_int, positive_int_list
 from utils.checkpointing import atomic_folder
 from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
-                        load_corpus_or_exit)
+                        load_corpus_or_exit, pad_batch)
 # TODO 39: save0 goes (Distributed Checkpoint saves), and with TODO 38 all_reduce_mean (the last
 # stage broadcasts the loss).
 from utils.distributed_utils import (all_reduce_mean, all_reduce_sum, destroy_process_group,
@@ -307,9 +307,9 @@ def main():
 # takes the same arguments as schedule.step and runs under the same autocast, so that every
 # stage computes and sends the dtypes it trains in (bfloat16 on a GPU, where bf16 is the default).
 # The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
-# fill a short last batch up to loader.batch_size with padding samples (tokens 0, targets
-# IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast the loss
-# sum from the last rank (the token count is the same on every stage).
+# fill a short last batch up to loader.batch_size with padding samples that count nowhere
+# (pad_batch from utils.data). The sums exist on the last stage only: broadcast the loss sum
+# from the last rank (the token count is the same on every stage).
 @torch.no_grad()
 def evaluate(model, loader, device):
     """Token-weighted mean loss over a whole split."""

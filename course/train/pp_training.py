@@ -49,7 +49,7 @@ from utils.args import base_parser, positive_int, positive_int_list
 from utils.checkpointing import atomic_folder
 from utils.checks import claim_out_dir, stop_if_not_finite, stop_on_every_rank
 from utils.data import (IGNORE_INDEX, DistributedEvalSampler, TokenWindows, check_splits,
-                        load_corpus_or_exit)
+                        load_corpus_or_exit, pad_batch)
 # TODO 39: save0 goes (Distributed Checkpoint saves), and with TODO 38 all_reduce_mean (the last
 # stage broadcasts the loss).
 #| exercise
@@ -389,9 +389,9 @@ def main():
 # takes the same arguments as schedule.step and runs under the same autocast, so that every
 # stage computes and sends the dtypes it trains in (bfloat16 on a GPU, where bf16 is the default).
 # The last stage sums the losses of the microbatches. A pipeline's buffers have a fixed shape:
-# fill a short last batch up to loader.batch_size with padding samples (tokens 0, targets
-# IGNORE_INDEX, which count nowhere). The sums exist on the last stage only: broadcast the loss
-# sum from the last rank (the token count is the same on every stage).
+# fill a short last batch up to loader.batch_size with padding samples that count nowhere
+# (pad_batch from utils.data). The sums exist on the last stage only: broadcast the loss sum
+# from the last rank (the token count is the same on every stage).
 #| exercise
 @torch.no_grad()
 def evaluate(model, loader, device):
@@ -412,10 +412,7 @@ def evaluate(model, loader, device, stage, schedule, precision):
         loss_sum += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum",
                                     ignore_index=IGNORE_INDEX)
         #| solution
-        if len(x) < loader.batch_size:
-            pad = loader.batch_size - len(x)
-            x = torch.cat([x, x.new_zeros(pad, x.shape[1])])
-            y = torch.cat([y, y.new_full((pad, y.shape[1]), IGNORE_INDEX)])
+        x, y = pad_batch(x, y, loader.batch_size)  # the pipeline's buffers have one shape
         losses = []
         with autocast(precision, device):  # the dtypes the stages send in training
             schedule.eval(*((x,) if stage.is_first else ()),

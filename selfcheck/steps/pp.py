@@ -146,9 +146,9 @@ def check(ctx) -> None:
         if evals and near(s["val_loss"], 0.0, 0, 1e-6):
             hint = "the loss sum exists on the last stage only: broadcast it from there"
         elif evals and padded_without_ignore(records):
-            hint = ("the padded rows' targets count: pad the targets with IGNORE_INDEX, "
-                    "y.new_full((pad, y.shape[1]), IGNORE_INDEX) (tokens 0 for x only), so that "
-                    "padding samples count neither in the loss nor in the tokens")
+            hint = ("the padded rows' targets count: pad with pad_batch(x, y, "
+                    "loader.batch_size) from utils.data (targets IGNORE_INDEX, tokens 0), so "
+                    "that padding samples count neither in the loss nor in the tokens")
         elif evals and (share := real_share(records)) and all(
                 near(s[k], ref.summary[k] * f) for k, f in zip(("val_loss", "test_loss"), share,
                                                                strict=True)):
@@ -670,9 +670,12 @@ HINTS = {
          "stage of its own, eval_stage = PipelineStage(...), and build_schedule('gpipe', "
          "eval_stage, ..., lm_loss_sum); StageBusyTimer(stage, device)."),
     37: ("The schedule runs forward, loss and backward for all microbatches: the first stage "
-         "gives it the tokens, the last the targets and a list for the losses.",
-         "schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last else None, "
-         "losses=losses) between timer.start_step() and idle_history.append(...)."),
+         "gives it the tokens, the last the targets and a list for the losses. The gradients "
+         "are zeroed before it, since it runs the backward passes itself.",
+         "optimizer.zero_grad(set_to_none=True) first; then, inside the with autocast(...) "
+         "block, schedule.step(*((x,) if stage.is_first else ()), target=y if stage.is_last "
+         "else None, losses=losses), between timer.start_step() and "
+         "idle_history.append(...)."),
     38: ("Only the last stage computes the loss: take it from there, and count one batch's "
          "tokens per step (one pipeline, one batch).",
          "torch.stack(losses).detach().mean() on the last stage, dist.broadcast(step_loss, "
@@ -685,6 +688,7 @@ HINTS = {
     40: ("Evaluation runs through the pipeline too (forward only), with a fixed batch shape; "
          "the sums exist on the last stage.",
          "evaluate(model, loader, device, stage, schedule, precision): pad a short batch "
-         "(tokens 0, targets IGNORE_INDEX), schedule.eval(...) under autocast(precision, device) "
-         "as in training, then dist.broadcast(loss_sum, src=last stage)."),
+         "with pad_batch(x, y, loader.batch_size) from utils.data, schedule.eval(...) under "
+         "autocast(precision, device) as in training, then dist.broadcast(loss_sum, src=last "
+         "stage)."),
 }

@@ -362,7 +362,8 @@ HINTS = {
          "export MASTER_PORT with a number between 1024 and 65535 computed from $SLURM_JOB_ID, "
          "and echo both variables for the job's log."),
     15: ("One torchrun per node: srun starts it on every node, and torchrun starts one process "
-         "per GPU and joins the nodes at the rendezvous on the first node.",
+         "per GPU and joins the nodes at the rendezvous on the first node. bash -c takes the "
+         "first word after its quoted command as $0, not as an argument.",
          "srun ... bash -c 'exec torchrun --nnodes=... --nproc_per_node=... --rdzv_backend=c10d "
          "--rdzv_id=... --rdzv_endpoint=... --rdzv_conf=is_host=...' torchrun \"$SCRIPT\" "
          "\"${ARGS[@]}\": the single quotes make each node expand $SLURM_NODEID itself."),
