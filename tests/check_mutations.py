@@ -405,6 +405,15 @@ MISTAKES = [
      [("best_val=best_val,", "best_val_loss=best_val,")]),
     ("fsdp", FSDP, "best_val saved, read back as best_val_loss", 21,
      [('train_state["best_val"]', 'train_state["best_val_loss"]')]),
+    ("fsdp", FSDP, "no line says where the run resumed", 21,
+     [('        print0(f"resumed from {resume} at step {step}, epoch {start_epoch}, batch {start_batch}")\n',
+       "")]),
+    ("fsdp", FSDP, "rank 0 says where it resumed, not at which step", 21,
+     [('print0(f"resumed from {resume} at step {step}, epoch {start_epoch}, batch {start_batch}")',
+       'print0(f"resumed from {resume}")')]),
+    ("fsdp", FSDP, "every rank says where it resumed, in other words", 21,
+     [('print0(f"resumed from {resume} at step {step}, epoch {start_epoch}, batch {start_batch}")',
+       'print(f"continuing at step {step} with the weights of {resume}")')]),
     # ---- TP ----------------------------------------------------------------------------
     ("tp", TP, "loss_parallel not imported", 23,
      [("from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,\n"
@@ -1523,6 +1532,11 @@ MESSAGES = {
     "the best validation loss saved as best_val_loss, read back as best_val": (
         "no key best_val", "best_val_loss"),
     "best_val saved, read back as best_val_loss": ("no key 'best_val_loss'",),
+    "no line says where the run resumed": (
+        "say on rank 0 where the run resumed from and at which step",),
+    "rank 0 says where it resumed, not at which step": (
+        "say on rank 0 where the run resumed from and at which step",),
+    "every rank says where it resumed, in other words": ("print0",),
     "the embedding's input not replicated": ("input_layouts=Replicate()",),
     "--tp defaults to LOCAL_WORLD_SIZE without a fallback": ("os.environ.get('LOCAL_WORLD_SIZE', 1)",),
     "the mesh's names the other way round": ("mesh_dim_names=('dp', 'tp')",),
@@ -1624,6 +1638,7 @@ ONLY_FIXED = {
     "the best validation loss saved as best_val_loss, read back as best_val": {20},
     "no loss_history in train_state": {20},
     "best_val saved, read back as best_val_loss": {21},
+    "no line says where the run resumed": {21},
     "set_epoch on rank 0 only (the shards overlap from the second epoch)": {6},
     "the evaluation samplers given rank and world_size by position": {3},
     "the averaged loss made a number with .item()": {7},
@@ -1807,6 +1822,9 @@ CORRECT = [
      [("loss_history=[loss.item() for loss in loss_history],",
        "losses=[loss.item() for loss in loss_history],"),
       ('train_state["loss_history"]', 'train_state["losses"]')]),
+    ("fsdp", FSDP, "where the run resumed said in other words",
+     [('print0(f"resumed from {resume} at step {step}, epoch {start_epoch}, batch {start_batch}")',
+       'print0(f"continuing at step {step} with the weights of {resume}.")')]),
     ("tp", TP, "the TP imports merged",
      [("from torch.distributed.tensor import Replicate\n", ""),
       ("from torch.distributed.tensor import DTensor\n",

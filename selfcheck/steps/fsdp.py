@@ -6,7 +6,8 @@ each; yours again, stopped at step 7 (in the middle of the second epoch) with
 that run's checkpoint (another world size: DCP reshards). The resumed run must end exactly like
 the uninterrupted one: the same losses, weights, optimizer state and number of steps, and it
 must not forget the best validation loss it had (the check sets it in the checkpoint, under the
-key that holds it, to a value no evaluation can beat: a run that forgot it saves a new "best").
+key that holds it, to a value no evaluation can beat: a run that forgot it saves a new "best"),
+and rank 0 must say where it resumed from and at which step.
 """
 
 from __future__ import annotations
@@ -333,8 +334,11 @@ def check_restart(ctx, restarted, ref) -> None:
     if len(loading) < restarted.geometry.world:
         rep.fail(21, f"{how}, only rank(s) {sorted(loading)} load the checkpoint: {every_rank}")
         return
+    # (a line that names the checkpoints folder, in any words)
+    folder = restarted.out / "checkpoints"
     said = [p["text"] for record in restarted.ranks[1:] if record
-            for p in record.get("prints", []) if "resum" in p["text"].lower()]
+            for p in record.get("prints", []) if "resum" in p["text"].lower()
+            or str(folder) in p["text"] or str(folder.resolve()) in p["text"]]
     if said:
         rep.fail(21, f"{how}, rank 1 prints too ({said[0][:60]!r}): say where the run resumed "
                  "with print0")
@@ -601,12 +605,28 @@ def check_resume(ctx, stop, resumed, ref) -> None:
                  f"best validation loss was better: restore best_val from "
                  f"train_state[{best_key!r}]")
         return
+    folder = stop.out / "checkpoints" / "last"
+    if not says_where_it_resumed(r, folder, STOP_AT):
+        rep.fail(21, f"the run resumed from checkpoints/last at step {STOP_AT}, but rank 0 "
+                 "printed no line that names that folder and step: say on rank 0 where the run "
+                 "resumed from and at which step, print0(f'resumed from {resume} at step "
+                 "{step}'): the job's log is all an instructor sees of a restart")
+        return
     rep.ok(21, f"one process resumes the 2-rank checkpoint of step {STOP_AT} and ends exactly "
            "like the uninterrupted run (losses, weights, optimizer state"
            + (", best)" if best_key else ")"))
     if not best_key:
         rep.waits(21, "whether the best validation loss comes back is checked once train_state "
                   "holds it (fix TODO 20 above first)")
+
+
+def says_where_it_resumed(record: dict, folder: Path, step: int) -> bool:
+    """A line rank 0 printed names the folder it resumed from and, besides it, the step (the
+    facts, in any words)."""
+    names = {str(folder), str(folder.resolve())}
+    number = re.compile(rf"(?<![\d.]){step}(?!\d|\.\d)")
+    return any(name in p["text"] and number.search(p["text"].replace(name, " "))
+               for p in record.get("prints", []) for name in names)
 
 
 HINTS = {
