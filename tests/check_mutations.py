@@ -1195,6 +1195,9 @@ MISTAKES = [
     ("memory", MEM, "only the blocks offloaded, the root kept on the device", 56,
      [("    fully_shard(model, **{k: v for k, v in options.items() if k != \"reshard_after_forward\"})\n",
        "    fully_shard(model)\n")]),
+    ("memory", MEM, "only the root offloaded, the blocks kept on the device", 56,
+     [("        fully_shard(block, **options)\n",
+       '        fully_shard(block, reshard_after_forward=options["reshard_after_forward"])\n')]),
     ("memory", MEM, "zero3 keeps the gathered weights as zero2 does", 56,
      [('options = dict(reshard_after_forward=layout != "zero2")',
        'options = dict(reshard_after_forward=layout == "offload")')]),
@@ -1447,6 +1450,11 @@ MESSAGES = {
     "a line through the first and the last point": ("least squares",),
     "offload pins host memory on a machine without a GPU too": (
         "pin_memory=torch.cuda.is_available()",),
+    "only the blocks offloaded, the root kept on the device": (
+        "2 of the 3 FSDP units have offload_policy=CPUOffloadPolicy(); missing: the root",),
+    "only the root offloaded, the blocks kept on the device": (
+        "1 of the 3 FSDP units has offload_policy=CPUOffloadPolicy(); missing: the blocks",),
+    "offload without CPUOffloadPolicy": ("no FSDP unit has offload_policy=CPUOffloadPolicy()",),
     "the loss divided by the micro-batches and by the ranks": ("in every run", "0.5 x",
                                                                 "args.grad_accum only"),
     "the reentrant checkpointing": ("non-reentrant",),

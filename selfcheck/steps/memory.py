@@ -478,15 +478,22 @@ def check_fsdp(ctx, key, run, ref) -> None:
                    f"frees them after forward, reshard_after_forward=True for {layout}")
         fail(rep, FSDP, why)
         return
-    policies = [*units.get("offload", []), units.get("root_offload")]
-    offloaded = [p == "CPUOffloadPolicy" for p in policies if p is not None]
+    # (None: FSDP's internals did not say)
+    blocks = [None if p is None else p == "CPUOffloadPolicy" for p in units.get("offload", [])]
+    root = units.get("root_offload")
+    root = None if root is None else root == "CPUOffloadPolicy"
+    offloaded = [o for o in [*blocks, root] if o is not None]
     if layout == "offload" and not all(offloaded):
-        where = ("no unit" if not any(offloaded) else
-                 f"{offloaded.count(False)} of the {len(offloaded)} FSDP units (the root "
-                 "included)")
-        fail(rep, FSDP, f"with --layout offload {where} keep(s) their shards in host memory: "
-                 "offload_policy=CPUOffloadPolicy(...) in every fully_shard call, blocks and "
-                 "root")
+        kept = [i for i, o in enumerate(blocks) if o is False]
+        which = ([("the blocks" if len(kept) == len(blocks) else
+                   f"block{'s' if len(kept) > 1 else ''} {', '.join(map(str, kept))}")]
+                 if kept else []) + (["the root"] if root is False else [])
+        done = sum(offloaded)
+        have = (f"{done} of the {len(offloaded)} FSDP units {'has' if done == 1 else 'have'} "
+                f"offload_policy=CPUOffloadPolicy(); missing: {' and '.join(which)}" if done
+                else "no FSDP unit has offload_policy=CPUOffloadPolicy()")
+        fail(rep, FSDP, f"with --layout offload, {have}. Pass it in every fully_shard call, "
+             "blocks and root")
         return
     if layout != "offload" and any(offloaded):
         fail(rep, FSDP, f"--layout {layout} offloads to host memory: CPUOffloadPolicy for "
