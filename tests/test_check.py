@@ -211,6 +211,20 @@ def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_pa
                          re.M), text
 
 
+def test_an_ok_line_claims_only_the_layouts_that_ran(tmp_path):
+    """Memory TODOs 55, 57, 58 done, 56 not: the FSDP layouts stop in apply_fsdp, so the ok
+    lines of checkpointing and accumulation name the layouts that ran, not every layout."""
+    rel = step_module("memory").FILE
+    path = tmp_path / rel
+    path.parent.mkdir(parents=True)
+    path.write_text(partly_done((ROOT / "course" / rel).read_text(), {55, 57, 58}))
+    code, text, flagged = run_check("memory", path)
+    assert set(flagged) == {56}, text
+    for n in (55, 58):
+        line = re.search(rf"^  ok +TODO {n}\b.*$", text, re.M)
+        assert line and "in the layouts that ran (ddp, zero1)" in line.group(0), text
+
+
 def test_a_later_todo_not_started_yet_is_named_instead_of_a_crash(tmp_path):
     """Pipeline TODOs 34-36 done: the loop still runs the model itself (TODO 37)."""
     rel = step_module("pp").FILE

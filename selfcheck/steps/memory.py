@@ -92,6 +92,48 @@ def check(ctx) -> None:
         check_promises(ctx, key, run, ref, finished)
     trained = {key: same_training(ctx, run, ref, key) for key, run in finished.items()}
     blame_training(ctx, trained, finished, ref)
+    say_ok(ctx, trained)
+
+
+# ------------------------------------------------------------------------------ ok lines
+def passed(ctx, todo: int, key, detail: str = "") -> None:
+    """A run in which `todo` did what it promises; said once all runs are judged (say_ok)."""
+    ctx.extra.setdefault("passed", {}).setdefault(todo, {}).setdefault(key, detail)
+
+
+def where_it_ran(keys, todo: int) -> str:
+    """'in every layout', or the layouts of the runs of this TODO's option that got this far."""
+    ran = [layout for layout in LAYOUT_TODO if any(k[0] == layout for k in keys)]
+    wanted = {k[0] for k in COMBINATIONS if todo in option_todos(k)}
+    return ("in every layout" if set(ran) >= wanted else
+            f"in the layouts that ran ({', '.join(ran)})")
+
+
+def say_ok(ctx, trained: dict) -> None:
+    """One ok line per TODO that no run failed, claiming only what the runs showed: the
+    layouts that ran with its option (a layout whose TODO is not done yet did not), and the
+    same losses as one process only where all of them had them."""
+    rep = ctx.report
+    for todo, runs in ctx.extra.get("passed", {}).items():
+        if rep.failed(todo):
+            continue
+        keys = list(runs)
+        same = all(trained.get(key) is True for key in keys)
+        if todo == CHECKPOINTING:
+            rep.ok(todo, f"each block keeps only its input: {runs[keys[0]]} of the activations, "
+                   f"{where_it_ran(keys, todo)}" + (", the same losses" if same else ""))
+        elif todo == FSDP:
+            ran = {key[0] for key in keys}
+            said = [text for layout, text in (
+                ("zero2", "zero2 keeps every block gathered until backward"),
+                ("zero3", "zero3 frees the blocks' gathered weights after forward"),
+                ("offload", "offload keeps every unit's shards in host memory"))
+                if layout in ran]
+            rep.ok(todo, ", ".join(said) + ("; all train like one process" if same else ""))
+        elif todo == ACCUMULATION:
+            rep.ok(todo, "2 micro-batches per step " + ("train like one process with the whole "
+                   "batch " if same else "") + f"{where_it_ran(keys, todo)}, the gradients "
+                   "reduced once per step")
 
 
 # ------------------------------------------------------------------------------ crashes
@@ -510,8 +552,7 @@ def check_fsdp(ctx, key, run, ref) -> None:
                      "pinned host memory, so every copy to the GPU waits: "
                      "CPUOffloadPolicy(pin_memory=torch.cuda.is_available())")
             return
-    rep.ok(FSDP, "zero2 keeps every block gathered until backward, zero3 frees them, offload "
-           "keeps every unit's shards in host memory; all train like one process")
+    passed(ctx, FSDP, key)
 
 
 def checkpointed_formula(run) -> float:
@@ -581,8 +622,7 @@ def check_checkpointing(ctx, key, run, ref) -> None:
              "than the first, and backward gets gradients of another network: leave "
              "preserve_rng_state out, checkpoint_wrapper(block)")
     else:
-        rep.ok(CHECKPOINTING, f"each block keeps only its input: {saved / full:.0%} of the "
-               "activations, in every layout, the same losses")
+        passed(ctx, CHECKPOINTING, key, f"{saved / full:.0%}")
 
 
 def check_accumulation(ctx, key, run, ref, runs) -> None:
@@ -652,9 +692,8 @@ def check_accumulation(ctx, key, run, ref, runs) -> None:
                   "reduce-scatters in backward unless the sync is off)")
         fail(rep, ACCUMULATION, f"{said}, once per micro-batch: run all but the last "
              f"micro-batch inside no_gradient_sync(model), {inside}")
-    elif not rep.failed(ACCUMULATION):
-        rep.ok(ACCUMULATION, "2 micro-batches per step train like one process with the whole "
-               "batch in every layout, the gradients reduced once per step")
+    else:
+        passed(ctx, ACCUMULATION, key)
 
 
 def fsdp_syncs_once(runs: dict, ref) -> bool:
