@@ -1085,10 +1085,16 @@ def lesson_call(fn, *args) -> dict:
 
 
 class _StandInEvent:
-    """One row of profiler.key_averages(), in microseconds, as torch reports it."""
+    """One row of profiler.key_averages(), in microseconds, as torch reports it: where it ran
+    (device_type) and whether it is a range (record_function, ProfilerStep) rather than an
+    operator or a kernel (is_user_annotation)."""
 
-    def __init__(self, key, count, cpu_total, self_cpu, self_device, device_total):
+    def __init__(self, key, count, cpu_total, self_cpu, self_device, device_total,
+                 device_type=None, is_user_annotation=False):
+        from torch.autograd import DeviceType
         self.key, self.count = key, count
+        self.device_type = DeviceType.CPU if device_type is None else device_type
+        self.is_user_annotation = is_user_annotation
         self.cpu_time_total, self.self_cpu_time_total = cpu_total, self_cpu
         self.self_device_time_total = self.self_cuda_time_total = self_device
         self.device_time_total = self.cuda_time_total = device_total
@@ -1096,17 +1102,41 @@ class _StandInEvent:
 
 class _StandInProfiler:
     """A stopped profiler of 4 steps of 10 ms on the CPU each, with `kernel_ms` of kernels per
-    step on a GPU (0: a CPU run): what gpu_busy (TODO 59) reads, without a GPU. As torch's
-    key_averages() does, the steps are one row, "ProfilerStep*", that counts them. (Four, not
-    the lesson's 3 active steps: a gpu_busy that divides by PROFILE_ACTIVE shows.)"""
+    step on a GPU (0: a CPU run): what gpu_busy (TODO 59) reads, without a GPU. The rows are
+    Kineto's: the steps are one row, "ProfilerStep*", that counts them; a CPU operator's row
+    holds the time of the kernels it launched (self_device_time_total), and each kernel has a
+    row of its own on the GPU with the same time again; the ranges (ProfilerStep, "forward")
+    have a row on the GPU too (is_user_annotation), as long as the GPU worked in them. A CPU
+    run has no GPU rows. (Four steps, not the lesson's 3 active steps: a gpu_busy that divides
+    by PROFILE_ACTIVE shows.)
+
+    Per step on a GPU busy 6 ms, these sums give: the kernels' rows 6 (right); every row's
+    self device time 25.5 (kernels twice, and the GPU's ranges 9 + 4.5); the GPU's rows with
+    the ranges 19.5; the CPU operators and the kernels 12; device_time_total of every row
+    42.3. Both ProfilerStep* rows counted: 8 steps, 5 ms each (selfcheck/steps/perf.py)."""
 
     def __init__(self, kernel_ms: float):
+        from torch.autograd import DeviceType
         mm, add = 0.8 * kernel_ms * 4e3, 0.2 * kernel_ms * 4e3  # µs over the 4 steps
-        # an operator's own (self) CPU time leaves out the operators inside it
-        self.rows = [_StandInEvent("ProfilerStep*", 4, 40e3, 26e3, 0.0, kernel_ms * 4e3),
-                     _StandInEvent("aten::mm", 40, 8e3, 8e3, mm, mm),
-                     _StandInEvent("aten::add", 40, 2e3, 2e3, add, add),
-                     _StandInEvent("aten::linear", 40, 12e3, 4e3, 0.0, mm)]  # mm runs inside
+        kernels = mm + add
+        # an operator's own (self) CPU time leaves out the operators inside it; the range
+        # "forward" holds aten::linear (which runs aten::mm) and aten::add
+        self.rows = [
+            _StandInEvent("ProfilerStep*", 4, 40e3, 25e3, 0.0, kernels, is_user_annotation=True),
+            _StandInEvent("forward", 4, 15e3, 1e3, 0.0, kernels, is_user_annotation=True),
+            _StandInEvent("aten::linear", 40, 12e3, 4e3, 0.0, mm),  # mm runs inside
+            _StandInEvent("aten::mm", 40, 8e3, 8e3, mm, mm),
+            _StandInEvent("aten::add", 40, 2e3, 2e3, add, add)]
+        if kernel_ms:
+            gpu = DeviceType.CUDA
+            self.rows += [
+                _StandInEvent("ampere_sgemm_128x64_tn", 40, 0.0, 0.0, mm, mm, gpu),
+                _StandInEvent("vectorized_elementwise_kernel", 40, 0.0, 0.0, add, add, gpu),
+                # the ranges on the GPU: from their first kernel's start to their last's end
+                _StandInEvent("ProfilerStep*", 4, 0.0, 0.0, 1.5 * kernels, 1.5 * kernels, gpu,
+                              is_user_annotation=True),
+                _StandInEvent("forward", 4, 0.0, 0.0, 0.75 * kernels, 0.75 * kernels, gpu,
+                              is_user_annotation=True)]
 
     def key_averages(self, *a, **k):
         return self.rows

@@ -902,10 +902,24 @@ MISTAKES = [
        "        model = DDP(model, device_ids=[local_rank] if device.type == \"cuda\" else None)\n"
        "    if args.compile:\n        model = torch.compile(model)\n")]),
     ("perf", PERF, "the steps looked for under their trace name", 59,
-     [('e.key.startswith("ProfilerStep")]', 'e.key.startswith("ProfilerStep#")]')]),
+     [('e.key.startswith("ProfilerStep") and', 'e.key.startswith("ProfilerStep#") and')]),
     ("perf", PERF, "GPU time summed with the operators inside each other", 59,
-     [("kernels_us = sum(e.self_device_time_total for e in events)",
-       "kernels_us = sum(e.device_time_total for e in events)")]),
+     [("    kernels_us = sum(e.self_device_time_total for e in events\n"
+       "                     if e.device_type != DeviceType.CPU and not e.is_user_annotation)\n",
+       "    kernels_us = sum(e.device_time_total for e in events)\n")]),
+    ("perf", PERF, "every row's self device time summed (each kernel twice, the GPU's ranges too)", 59,
+     [("    kernels_us = sum(e.self_device_time_total for e in events\n"
+       "                     if e.device_type != DeviceType.CPU and not e.is_user_annotation)\n",
+       "    kernels_us = sum(e.self_device_time_total for e in events)\n")]),
+    ("perf", PERF, "the CPU operators' rows and the kernels' rows summed (each kernel twice)", 59,
+     [("                     if e.device_type != DeviceType.CPU and not e.is_user_annotation)\n",
+       "                     if not e.is_user_annotation)\n")]),
+    ("perf", PERF, "the GPU's ranges summed with the kernels", 59,
+     [("                     if e.device_type != DeviceType.CPU and not e.is_user_annotation)\n",
+       "                     if e.device_type != DeviceType.CPU)\n")]),
+    ("perf", PERF, "the steps counted in the GPU's ProfilerStep* row too", 59,
+     [('e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]',
+       'e.key.startswith("ProfilerStep")]')]),
     ("perf", PERF, "GPU busy of the whole profile, not per step", 59,
      [("    return kernels_us / n / 1e3, step_us / n / 1e3",
        "    return kernels_us / 1e3, step_us / 1e3")]),
@@ -1377,6 +1391,15 @@ MESSAGES = {
     "the training sampler of one replica (both replicas read the same batches)": (
         "num_replicas=dp_size, rank=dp_rank",),
     "the output layer's logits replicated": ("whole on every rank", "without output_layouts"),
+    "every row's self device time summed (each kernel twice, the GPU's ranges too)": (
+        "counted twice", "the row of the CPU operator that launched it",
+        "e.device_type != DeviceType.CPU and not e.is_user_annotation"),
+    "the CPU operators' rows and the kernels' rows summed (each kernel twice)": (
+        "counted twice", "e.device_type != DeviceType.CPU"),
+    "the GPU's ranges summed with the kernels": ("is_user_annotation",),
+    "the steps counted in the GPU's ProfilerStep* row too": (
+        "counted twice", "e.device_type == DeviceType.CPU"),
+    "GPU time summed with the operators inside each other": ("device_time_total counts",),
     "the loss under loss_parallel kept a DTensor": ("loss = loss.full_tensor()",),
     "evaluate's loss sum kept a DTensor": (".full_tensor()",),
     "apply_tp after fully_shard": ("TP first",),
@@ -1863,10 +1886,10 @@ CORRECT = [
       ('annotate("backward", device)', 'annotate("bwd pass", device)'),
       ('annotate("optimizer", device)', 'annotate("optimizer step", device)'),
       ('annotate("communication", device)', 'annotate("loss all_reduce", device)')]),
-    ("perf", PERF, "GPU time from the steps' own rows",
-     [("    kernels_us = sum(e.self_device_time_total for e in events)\n",
-       "    kernels_us = sum(e.device_time_total for e in events\n"
-       "                     if e.key.startswith(\"ProfilerStep\"))\n")]),
+    ("perf", PERF, "GPU time from the CPU step row's device time (its operators' kernels, once)",
+     [("    kernels_us = sum(e.self_device_time_total for e in events\n"
+       "                     if e.device_type != DeviceType.CPU and not e.is_user_annotation)\n",
+       "    kernels_us = sum(e.device_time_total for e in steps)\n")]),
     ("perf", PERF, "the vocabulary padded with math.ceil",
      [("    return -(-vocab_size // multiple) * multiple",
        "    import math\n    return math.ceil(vocab_size / multiple) * multiple")]),

@@ -86,13 +86,31 @@ def test_one_process_trains_without_ddp_and_two_ranks_with_it(runs):
 
 
 def test_gpu_busy_reads_kernel_time_per_step_against_the_step_s_cpu_time():
-    """TODO 59 on the self-check's stand-in profiles: kernels 6 ms of each 10 ms step (their
-    own time, not again the time of the operators they run inside), none on a CPU."""
+    """TODO 59 on the self-check's stand-in profiles, whose rows are Kineto's: kernels 6 ms of
+    each 10 ms step, counted once (each kernel has its own row on the GPU and is counted again
+    in the row of the CPU operator that launched it; the ranges have GPU rows too), and the
+    steps of the CPU's ProfilerStep* row; none on a CPU."""
     sys.path.insert(0, str(ROOT))  # the self-check is no package of the course's install
     from selfcheck.probe import _StandInProfiler
     gpu_busy = load_solution().gpu_busy
     assert gpu_busy(_StandInProfiler(6.0)) == pytest.approx((6.0, 10.0))
     assert gpu_busy(_StandInProfiler(0.0)) == pytest.approx((0.0, 10.0))
+
+
+def test_summing_every_row_s_device_time_counts_each_kernel_twice():
+    """What the first solution of TODO 59 did: on a GPU's rows the kernels count twice, and
+    the GPU's ranges come on top; only the kernels' own rows give their time."""
+    sys.path.insert(0, str(ROOT))
+    from selfcheck.probe import _StandInProfiler
+    from torch.autograd import DeviceType
+    rows = _StandInProfiler(6.0).key_averages()
+    every_row = sum(e.self_device_time_total for e in rows) / 4e3
+    operators_and_kernels = sum(e.self_device_time_total for e in rows
+                                if not e.is_user_annotation) / 4e3
+    kernels = sum(e.self_device_time_total for e in rows
+                  if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 4e3
+    assert operators_and_kernels == pytest.approx(2 * kernels) and kernels == pytest.approx(6.0)
+    assert every_row > operators_and_kernels
 
 
 def test_gpu_busy_finds_the_steps_of_a_real_profile_as_torch_groups_them():

@@ -55,12 +55,14 @@ from utils.monitor import TrainingMonitor, planned_steps
 from utils.precision import set_precision
 # TODO 41: Import what measuring, profiling and the fixes need: from utils/metrics.py,
 # synchronize (time the GPU honestly) and peak_flops (what MFU divides by); torch.profiler;
-# contextlib (for ranges made of several context managers); and from utils/precision.py,
-# autocast and compile_blocks. (Adding names to the import lines already there is as good.)
+# contextlib (for ranges made of several context managers); DeviceType from torch.autograd
+# (which device a profiled event ran on, TODO 59); and from utils/precision.py, autocast and
+# compile_blocks. (Adding names to the import lines already there is as good.)
 #| exercise
 #| solution
 import contextlib
 
+from torch.autograd import DeviceType
 from torch.profiler import (ProfilerActivity, profile, record_function, schedule,
                             tensorboard_trace_handler)
 from utils.metrics import peak_flops, synchronize
@@ -132,10 +134,14 @@ def lm_loss(logits, targets):
 
 
 # TODO 59: Is the GPU waiting for Python? In the profiled steps, compare the time the GPU's
-# kernels took (each operator's own device time, summed) with the time each step took on the
-# CPU (the ProfilerStep ranges). When the kernels fill only part of a step, the GPU waits for
-# Python to launch the next ones: the step is bound by launches, and making kernels faster
-# (compile) gains little, fewer launches (bigger batches, CUDA graphs, TODOs 62-63) a lot.
+# kernels took with the time each step took on the CPU (the ProfilerStep ranges). When the
+# kernels fill only part of a step, the GPU waits for Python to launch the next ones: the step
+# is bound by launches, and making kernels faster (compile) gains little, fewer launches
+# (bigger batches, CUDA graphs, TODOs 62-63) a lot. In key_averages() every kernel has a row of
+# its own, on the GPU (device_type CUDA), and its time is added again to the row of the CPU
+# operator that launched it; ranges (ProfilerStep, record_function) get a row on the GPU too
+# (is_user_annotation). So sum the device time of the rows that ran on the GPU and are no
+# range: the kernels, once (as the table's "Self CUDA time total" does).
 # Write gpu_busy(profiler): (kernel ms per step, step ms); the kernel time is 0 on a CPU.
 #| exercise
 #| solution
@@ -143,10 +149,15 @@ def gpu_busy(profiler) -> tuple[float, float]:
     """(kernel time per step, CPU time per step) in ms of the steps a stopped profiler
     recorded (no kernels on a CPU: 0)."""
     events = profiler.key_averages()
-    # key_averages() puts the recorded steps into one row, "ProfilerStep*", counting them
-    steps = [e for e in events if e.key.startswith("ProfilerStep")]
+    # key_averages() puts the recorded steps into one row, "ProfilerStep*", counting them (on
+    # a GPU a second row of that name marks the steps on the GPU: take the CPU's)
+    steps = [e for e in events
+             if e.key.startswith("ProfilerStep") and e.device_type == DeviceType.CPU]
     n = max(sum(e.count for e in steps), 1)
-    kernels_us = sum(e.self_device_time_total for e in events)
+    # the kernels' own rows, not the operators that launched them (their rows hold the same
+    # time again) nor the ranges on the GPU
+    kernels_us = sum(e.self_device_time_total for e in events
+                     if e.device_type != DeviceType.CPU and not e.is_user_annotation)
     step_us = sum(e.cpu_time_total for e in steps)
     return kernels_us / n / 1e3, step_us / n / 1e3
 #| end

@@ -557,15 +557,31 @@ def check_gpu_busy(ctx, run, profiling) -> None:
     elif any(near(v, 1e3 * w, 0.01) for v, w in ((step, 10.0), (kernels, 6.0))):
         rep.fail(59, f"gpu_busy returns {kernels:g} and {step:g} for kernels of 6 ms in steps "
                  "of 10 ms: the profiler counts microseconds, divide by 1e3 for ms")
+    elif near(step, 5.0, 0.01):
+        rep.fail(59, "a profile of four 10 ms steps gives 5 ms per step: the steps were counted "
+                 "twice. On a GPU key_averages() has a second 'ProfilerStep*' row, the steps on "
+                 "the GPU's timeline (device_type CUDA, no CPU time): take the CPU's row only "
+                 "(e.device_type == DeviceType.CPU)")
     elif not near(step, 10.0, 0.01):
         rep.fail(59, f"a profile of four 10 ms steps gives {step:g} ms per step: the CPU time "
                  "of the 'ProfilerStep*' row of key_averages() (cpu_time_total: its "
                  "self_cpu_time_total leaves out the operators the step ran), divided by the "
                  "steps it counts (its count)")
     elif not near(kernels, 6.0, 0.01):
-        rep.fail(59, f"kernels of 6 ms per step give {kernels:g} ms: sum each operator's own "
-                 "device time (self_device_time_total: an operator's device_time_total counts "
-                 "the kernels of the operators inside it again), divided by the steps")
+        # the sums of the stand-in's rows (selfcheck/probe.py, _StandInProfiler)
+        what = ("each kernel was counted twice: its own row on the GPU and again the row of "
+                "the CPU operator that launched it" if near(kernels, 12.0, 0.01) else
+                "each kernel was counted twice (its own row on the GPU and again the row of "
+                "the CPU operator that launched it), and the ranges' rows on the GPU "
+                "(ProfilerStep, record_function) added" if near(kernels, 25.5, 0.01) else
+                "the ranges' rows on the GPU (ProfilerStep, record_function: "
+                "is_user_annotation) were added to the kernels" if near(kernels, 19.5, 0.01)
+                else "device_time_total counts the kernels of the operators inside an operator "
+                "again" if near(kernels, 42.3, 0.01) else "")
+        rep.fail(59, f"kernels of 6 ms per step give {kernels:g} ms"
+                 + (f": {what}" if what else "") + ". Sum self_device_time_total over the rows "
+                 "that ran on the GPU and are no range (e.device_type != DeviceType.CPU and "
+                 "not e.is_user_annotation): the kernels, once; divided by the steps")
     elif not (isinstance(cpu.get("value"), list) and cpu["value"][:1] == [0.0]):
         rep.fail(59, f"a CPU profile (no kernels) gives {cpu.get('value', cpu.get('error'))}: "
                  "its kernel time is 0 (then say there is no GPU to compare with)")
@@ -841,9 +857,12 @@ HINTS = {
          "if args.compile: compile_blocks(model)."),
     59: ("A profile says how long the kernels ran and how long each step took on the CPU: when "
          "the kernels fill only part of a step, the GPU waits for Python to launch the next.",
-         "gpu_busy(profiler): sum of e.self_device_time_total over profiler.key_averages(), "
-         "and e.cpu_time_total of its 'ProfilerStep*' row, each divided by that row's count "
-         "(the steps); print both after the table (no kernels: a CPU run)."),
+         "gpu_busy(profiler): over profiler.key_averages(), the sum of e.self_device_time_total "
+         "of the rows with e.device_type != DeviceType.CPU and not e.is_user_annotation (each "
+         "kernel has a row of its own, and its time is in the row of the CPU operator that "
+         "launched it too: sum the kernels' rows only), and e.cpu_time_total of the CPU's "
+         "'ProfilerStep*' row (a GPU has a second one), each divided by that row's count (the "
+         "steps); print both after the table (no kernels: a CPU run)."),
     60: ("Tensor cores read aligned tiles: an output layer as wide as an odd vocabulary runs in "
          "slower kernels. A few never-used extra words make it a multiple of 64.",
          "padded_vocab(vocab_size, multiple) = ceil(vocab_size / multiple) * multiple; "
