@@ -827,6 +827,9 @@ MISTAKES = [
        "    print0(f\"MFU against")]),
     ("perf", PERF, "the peak not said", 42,
      [('    print0(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")\n', "")]),
+    ("perf", PERF, "the peak printed with one decimal in TFLOP/s (0.0 for the check's peak)", 42,
+     [('print0(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")',
+       'print0(f"peak {peak / 1e12:.1f} TFLOP/s (PEAK_FLOPS)")')]),
     ("perf", PERF, "the clock read before synchronize", 42,
      [("                synchronize(device)\n"
        "                rate = interval_tokens / (time.perf_counter() - interval_start)\n",
@@ -1391,6 +1394,8 @@ MESSAGES = {
     "the training sampler of one replica (both replicas read the same batches)": (
         "num_replicas=dp_size, rank=dp_rank",),
     "the output layer's logits replicated": ("whole on every rank", "without output_layouts"),
+    "the peak printed with one decimal in TFLOP/s (0.0 for the check's peak)": (
+        "the printed peak (0.0 TFLOP/s) does not show 2.5e+10 FLOP/s", "3 significant digits"),
     "every row's self device time summed (each kernel twice, the GPU's ranges too)": (
         "counted twice", "the row of the CPU operator that launched it",
         "e.device_type != DeviceType.CPU and not e.is_user_annotation"),

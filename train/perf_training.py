@@ -174,6 +174,8 @@ def main():
 
     # TODO 42: Measure while training: the peak FLOP/s of this device in the dtype the matmuls
     # run in (the data sheet of a known GPU, else a measured matmul), to turn tokens/s into MFU.
+    # peak_flops returns a tuple, (peak, where it comes from): print both once, the peak with 3
+    # significant digits, so that the log says what MFU divides by.
     # TODO 43: Start the profiler with a window that fits into the steps this run will take.
 
     # ---- training ----

@@ -305,6 +305,8 @@ def main():
 
     # TODO 42: Measure while training: the peak FLOP/s of this device in the dtype the matmuls
     # run in (the data sheet of a known GPU, else a measured matmul), to turn tokens/s into MFU.
+    # peak_flops returns a tuple, (peak, where it comes from): print both once, the peak with 3
+    # significant digits, so that the log says what MFU divides by.
     #| exercise
     #| solution
     peak, peak_source = peak_flops(device, args.precision)

@@ -150,8 +150,19 @@ def check_reports(ctx, run) -> None:
         rep.fail(42, f"the peak printed is {off:g} x what peak_flops returns: a unit's power of "
                  "ten is off (TFLOP/s is peak / 1e12)")
     elif not peak_said:
-        rep.fail(42, "nothing printed says what MFU divides by: print the peak of one device "
-                 "that peak_flops(device, args.precision) returns, and where it comes from")
+        shown = [m.group(0) for m in FLOPS.finditer(output)]
+        # the one said next to "peak" or "MFU", if any (FLOPs per token may be printed too)
+        shown = [t for t in shown if re.search(rf"(peak|MFU)[^\n]*{re.escape(t)}|"
+                                               rf"{re.escape(t)}[^\n]*(peak|MFU)", output,
+                                               re.I)] or shown
+        if shown:
+            rep.fail(42, f"the printed peak ({shown[0]}) does not show {PEAK_FLOPS:.3g} FLOP/s, "
+                     "what peak_flops returns in this check: print it with 3 significant "
+                     "digits (e.g. {peak:.3g} FLOP/s, or {peak / 1e12:.3g} TFLOP/s)")
+        else:
+            rep.fail(42, "nothing printed says what MFU divides by (no number in FLOP/s): "
+                     "print the peak of one device that peak_flops(device, args.precision) "
+                     "returns, and where it comes from")
     if len({s for s, _, _ in reports}) < steps:
         rep.fail(42, f"{len(reports)} step lines report tokens/s and MFU, the run logged "
                  f"{steps} steps (--log-every 1): report at every log step")
