@@ -69,9 +69,11 @@ from utils.precision import autocast, compile_blocks
 
 # DONE 43: A bounded profiling window. The profiler skips `wait` steps (the first steps
 # allocate memory and, with --compile, compile), runs `warmup` steps without recording (its own
-# start-up cost), then records `active` steps and writes one trace. A run with fewer steps than
-# that would end before the trace is written: shrink the window, or say that nothing can be
-# profiled (which also happens when a run is too short for anything to be worth looking at).
+# start-up cost), then records `active` steps and writes one trace per rank into
+# OUT_DIR/profile (one file per rank: the profiler's trace handler takes a worker name). A run
+# shorter than the window records a partial step plus the evaluation, or nothing if it ends
+# while warming up: shrink the window to fit the run's steps, or say that nothing can be
+# profiled (a run too short for anything to be worth looking at).
 PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE = 1, 2, 3
 
 
