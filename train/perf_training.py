@@ -244,8 +244,8 @@ def main():
         val_loss=val_loss, test_loss=test_loss, throughput=throughput,
         flops_per_token=flops_per_tok, device=device, start_time=start_time,
         compile=args.compile, memory=monitor.memory)
-    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; "
-           f"{speed_text(summary)} ({summary['precision']}), {peak_memory_text(summary, device)}")
+    print0(f"test loss {test_loss:.4f} perplexity {summary['test_ppl']:.1f}; in "
+           f"{summary['precision']}: {speed_text(summary)}, {peak_memory_text(summary, device)}")
     save0(model, out_dir / "final_model.pt")
     write_summary(out_dir, summary, vocab=corpus.vocab)  # and vocab.txt (tools/generate.py)
     monitor.close(summary)

@@ -22,7 +22,8 @@ from selfcheck.runs import ONE_NODE_TWO, PEAK_FLOPS, SEQ_LEN, TWO_NODES, Run
 from selfcheck.steps.common import check_imports, crash_todo, report_crash
 
 FILE = "train/perf_training.py"
-WHAT = "one GPU fast: tokens/s and MFU, profiler, bf16, fused AdamW, compile"
+WHAT = ("one GPU fast: tokens/s and MFU, profiler, bf16, fused AdamW, compile; GPU busy, "
+        "padded vocabulary, compiled loss, no DDP for one process, CUDA graphs")
 TODOS = {41: "imports", 42: "tokens/s and MFU", 43: "profiler", 44: "named ranges",
          45: "precision", 46: "fused AdamW", 47: "compile", 59: "is the GPU waiting",
          60: "padded vocabulary", 61: "the loss compiled", 62: "no DDP for one process",
