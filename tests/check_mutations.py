@@ -1085,6 +1085,9 @@ MISTAKES = [
     ("collectives", COLL, "the reduce-scatter makes n steps, not n - 1", 50,
      [("    for step in range(n - 1):\n        send, into = (rank - step) % n",
        "    for step in range(n):\n        send, into = (rank - step) % n")]),
+    ("collectives", COLL, "the reduce-scatter's steps counted from 1 (one step off)", 50,
+     [("    for step in range(n - 1):\n        send, into = (rank - step) % n",
+       "    for step in range(1, n):\n        send, into = (rank - step) % n")]),
     ("collectives", COLL, "the received chunk added into the chunk sent", 50,
      [("        chunks[into] += received\n", "        chunks[send] += received\n")]),
     ("collectives", COLL, "the reduce-scatter averages (divides its chunk by n)", 50,
@@ -1372,6 +1375,8 @@ MISTAKES = [
 MESSAGES = {
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
     "the received chunk added into the chunk sent": ("chunks[into] += received",),
+    "the reduce-scatter's steps counted from 1 (one step off)": (
+        "one step off: s counts from 0 to n - 2",),
     "the rate in tokens per millisecond": ("counts seconds",),
     "sequences counted, not tokens": ("x.numel()", "len(x)"),
     "the interval's clock restarted inside every step": ("not inside the step",),
@@ -1649,6 +1654,8 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # the collectives lesson: a wrong part of the ring is that part's alone
+    "the reduce-scatter's steps counted from 1 (one step off)": {50},
     # stages that hold the wrong parts: TODO 37-40's comparisons with one process wait
     "every stage keeps the final norm": {34},
     "the last stage keeps pos_emb": {34},

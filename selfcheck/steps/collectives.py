@@ -299,6 +299,10 @@ def check_ring(ctx, run, rings: dict) -> None:
             elif not s["changed"]:
                 why = ("the tensor is unchanged: n - 1 steps, each sending chunk (rank - step) % n "
                        "and adding the received one to chunk (rank - step - 1) % n")
+            elif s["complete"] == [r]:
+                why = (f"it ends with the sum of chunk {r}, its own index: one step off: s "
+                       "counts from 0 to n - 2 (range(n - 1)); the last step, s = n - 2, then "
+                       "adds into chunk (rank - s - 1) % n = (rank + 1) % n")
             elif s["complete"]:
                 why = (f"rank {r} ends with the sum of chunk {s['complete'][0]}, the all-gather "
                        f"expects chunk (rank + 1) % n = {s['expected']}: in step s send chunk "
@@ -325,8 +329,9 @@ def check_ring(ctx, run, rings: dict) -> None:
                          "straight into chunks[into] (or chunks[into].copy_(received))")
             else:
                 rep.fail(51, f"rank {r} ends without the complete chunk(s) {missing}: n - 1 "
-                         "steps, in step s send chunk (rank + 1 - s) % n and receive into chunk "
-                         "(rank - s) % n (nothing to add)")
+                         "steps, s = 0 to n - 2 (range(n - 1)), in step s send chunk "
+                         "(rank + 1 - s) % n and receive into chunk (rank - s) % n (nothing to "
+                         "add)")
     # the whole ring, with the script's own parts: its verdict belongs to the parts
     whole = [r["all_reduce"] for r in rings.values() if r.get("all_reduce")]
     if any(w["wrong"] for w in whole) and all(
@@ -558,15 +563,17 @@ HINTS = {
     50: ("Reduce-scatter: the tensor is cut into n chunks; in n - 1 steps each chunk travels "
          "once around the ring, and every rank it passes adds its own part, so that after the "
          "last step each rank holds one chunk that has visited everybody.",
-         "In ring_reduce_scatter: n - 1 calls of send_right_receive_left, one per step; the "
-         "chunk sent and the chunk added into move back by one each step (the TODO comment has "
-         "their indices); receive into a fresh buffer of that chunk's size (torch.empty_like) "
-         "and add it in place, since the chunks are views of the tensor."),
+         "In ring_reduce_scatter: n - 1 calls of send_right_receive_left, one per step, with s "
+         "counting from 0: s = 0, 1, ..., n - 2, range(n - 1) (from 1, every index is one step "
+         "off); the chunk sent and the chunk added into move back by one each step (the TODO "
+         "comment has their indices for step s); receive into a fresh buffer of that chunk's "
+         "size (torch.empty_like) and add it in place, since the chunks are views of the "
+         "tensor."),
     51: ("All-gather: every rank now has one complete chunk. n - 1 more steps pass them on "
          "around the ring until every rank has all of them; nothing is added any more.",
-         "In ring_all_gather: n - 1 more calls of send_right_receive_left, each sending the "
-         "chunk this rank completed last and receiving straight into the chunk its left "
-         "neighbour completed (no buffer, no addition)."),
+         "In ring_all_gather: n - 1 more calls of send_right_receive_left, s = 0, 1, ..., "
+         "n - 2 again, each sending the chunk this rank completed last and receiving straight "
+         "into the chunk its left neighbour completed (no buffer, no addition)."),
     52: ("The alpha-beta model: a message of S bytes takes latency + S / bandwidth. Measured "
          "times against sizes lie near a straight line; its intercept is the latency, its slope "
          "1 / (algorithm bandwidth). The bus bandwidth, what each link carried, is the "

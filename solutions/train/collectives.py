@@ -53,7 +53,8 @@ def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor) -> None:
     # here nobody would ever do (a deadlock, on gloo and NCCL alike). Either
     #   requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),
     #                                      dist.P2POp(dist.irecv, recv, left)])
-    # or request = dist.isend(...) and dist.irecv(...); then wait() for every request.
+    # or request = dist.isend(...) and dist.irecv(...); then wait() for every request. right and
+    # left are yours to define first: the neighbours' ranks, (rank + 1) % n and (rank - 1) % n.
     right, left = (rank + 1) % n, (rank - 1) % n
     requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right),
                                        dist.P2POp(dist.irecv, recv, left)])
@@ -64,11 +65,11 @@ def send_right_receive_left(send: torch.Tensor, recv: torch.Tensor) -> None:
 def ring_reduce_scatter(chunks: list[torch.Tensor]) -> None:
     """Phase 1, in place: afterwards rank r holds the sum over all ranks of chunk (r + 1) % n."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    # DONE 50: n - 1 steps. In step s every rank sends chunk (rank - s) % n to the right and adds
-    # the chunk it receives from the left (the left neighbour's chunk (rank - s - 1) % n) to its
-    # own copy of that chunk. Receive into a new buffer (torch.empty_like), then add in place
-    # (chunks[i] += received): the chunks are views into the tensor being reduced, and
-    # chunks[i] = chunks[i] + received would only change the list.
+    # DONE 50: n - 1 steps, s = 0, 1, ..., n - 2. In step s every rank sends chunk (rank - s) % n
+    # to the right and adds the chunk it receives from the left (the left neighbour's chunk
+    # (rank - s - 1) % n) to its own copy of that chunk. Receive into a new buffer
+    # (torch.empty_like), then add in place (chunks[i] += received): the chunks are views into
+    # the tensor being reduced, and chunks[i] = chunks[i] + received would only change the list.
     for step in range(n - 1):
         send, into = (rank - step) % n, (rank - step - 1) % n
         received = torch.empty_like(chunks[into])
@@ -80,9 +81,9 @@ def ring_all_gather(chunks: list[torch.Tensor]) -> None:
     """Phase 2, in place: each rank starts with the complete chunk (rank + 1) % n and ends with
     all n of them."""
     rank, n = dist.get_rank(), dist.get_world_size()
-    # DONE 51: n - 1 steps again. In step s every rank sends the complete chunk it got last,
-    # (rank + 1 - s) % n, to the right and receives the left neighbour's, (rank - s) % n,
-    # straight into place: nothing to add any more.
+    # DONE 51: n - 1 steps again, s = 0, 1, ..., n - 2. In step s every rank sends the complete
+    # chunk it got last, (rank + 1 - s) % n, to the right and receives the left neighbour's,
+    # (rank - s) % n, straight into place: nothing to add any more.
     for step in range(n - 1):
         send, into = (rank + 1 - step) % n, (rank - step) % n
         send_right_receive_left(chunks[send], chunks[into])
