@@ -1175,6 +1175,13 @@ MISTAKES = [
      [("""    steps = sum(1 for e in events if e.get("cat") == "user_annotation"
                 and e.get("name", "").startswith("ProfilerStep#"))""",
        """    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))""")]),
+    ("collectives", COLL, "every step range and every event named all_reduce counted", 54,
+     [("""    steps = sum(1 for e in events if e.get("cat") == "user_annotation"
+                and e.get("name", "").startswith("ProfilerStep#"))""",
+       """    steps = sum(1 for e in events if e.get("name", "").startswith("ProfilerStep#"))"""),
+      ("""    kernels = [e for e in events if e.get("cat") == "kernel" and "AllReduce" in e.get("name", "")]""",
+       """    kernels = [e for e in events if "AllReduce" in e.get("name", "")
+               or "all_reduce" in e.get("name", "")]""")]),
     # ---- memory ------------------------------------------------------------------------
     ("memory", MEM, "the whole model checkpointed as one piece", 55,
      [("    for name in list(model.layers):\n"
@@ -1377,6 +1384,9 @@ MESSAGES = {
     "the received chunk added into the chunk sent": ("chunks[into] += received",),
     "the reduce-scatter's steps counted from 1 (one step off)": (
         "one step off: s counts from 0 to n - 2",),
+    "every step range and every event named all_reduce counted": (
+        "counted 4 steps (2 in the trace: ProfilerStep#N of category user_annotation only",
+        "9 all-reduce events (3: the AllReduce kernels only"),
     "the rate in tokens per millisecond": ("counts seconds",),
     "sequences counted, not tokens": ("x.numel()", "len(x)"),
     "the interval's clock restarted inside every step": ("not inside the step",),
@@ -1656,6 +1666,7 @@ MESSAGES = {
 ONLY_FIXED = {
     # the collectives lesson: a wrong part of the ring is that part's alone
     "the reduce-scatter's steps counted from 1 (one step off)": {50},
+    "every step range and every event named all_reduce counted": {54},
     # stages that hold the wrong parts: TODO 37-40's comparisons with one process wait
     "every stage keeps the final norm": {34},
     "the last stage keeps pos_emb": {34},

@@ -12,6 +12,7 @@ prediction for a known model, and the trace reading on a gloo and an NCCL trace.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -500,12 +501,78 @@ def check_prediction(ctx, entry) -> None:
     rep.fail(53, f"predicted {value:.5g} s, expected {want:.5g} s {case}: {why}")
 
 
+# why an event of the stand-in traces is no all-reduce to count, by (name, category)
+NOT_ALL_REDUCES = {
+    ("nccl:all_reduce", "user_annotation"): "nccl:all_reduce on the CPU only launches them",
+    ("nccl:all_reduce", "gpu_user_annotation"): "nccl:all_reduce as gpu_user_annotation covers "
+                                                "the kernels' time again",
+    ("c10d::allreduce_", "cpu_op"): "c10d::allreduce_ only launches them",
+}
+
+
+def trace_reading(trace: dict, value: float) -> str | None:
+    """What a function that returned `value` for `trace` did, part by part, where one way of
+    reading the trace explains it best: the steps it divided by (all ProfilerStep#N events, the
+    GPU's copies too, or none), the events it added up, the unit. Each way is tried: every set
+    of (name, category) groups of events, every step count, seconds, ms or µs; of those that
+    give `value`, the one with the fewest differences from the right reading, if only one has
+    that few. None where none (or several) explain it."""
+    events = trace["traceEvents"]
+    marks = [e for e in events if e.get("name", "").startswith("ProfilerStep#")]
+    right_steps = sum(e.get("cat") == "user_annotation" for e in marks)
+    copies = sum(e.get("cat") == "gpu_user_annotation" for e in marks)
+    groups: dict[tuple, list] = {}
+    for e in events:
+        if not e.get("name", "").startswith("ProfilerStep#"):
+            groups.setdefault((e["name"], e.get("cat")), []).append(e["dur"])
+    kernels = {k for k in groups if k[1] == "kernel" and "AllReduce" in k[0]}
+    right = frozenset(kernels or {("gloo:all_reduce", "user_annotation")})
+    found = []
+    for size in range(1, len(groups) + 1):
+        for chosen in itertools.combinations(groups, size):
+            total = sum(sum(groups[k]) for k in chosen)
+            for steps in {right_steps, len(marks), copies, 1} - {0}:
+                for unit in (1e6, 1e3, 1):
+                    if near(value, total / unit / steps, 1e-4, 1e-12):
+                        chosen_set = frozenset(chosen)
+                        differences = ((steps != right_steps) + (unit != 1e6)
+                                       + len(chosen_set ^ right))
+                        found.append((differences, steps, chosen_set, unit))
+    if not found:
+        return None
+    found.sort(key=lambda f: f[0])
+    if len(found) > 1 and found[1][0] == found[0][0]:
+        return None
+    differences, steps, chosen, unit = found[0]
+    if differences == 0:
+        return None
+    parts = []
+    if steps != right_steps:
+        mark = ("ProfilerStep#N of category user_annotation only"
+                + (", a GPU trace repeats them as gpu_user_annotation" if copies else ""))
+        parts.append(f"not divided by the steps ({right_steps} in the trace: {mark})"
+                     if steps == 1 else f"counted {steps} steps ({right_steps} in the trace: "
+                     f"{mark})")
+    if chosen != right:
+        what = "the AllReduce kernels" if kernels else "gloo's gloo:all_reduce ranges"
+        counted = sum(len(groups[k]) for k in chosen)
+        wanted = sum(len(groups[k]) for k in right)
+        why = [NOT_ALL_REDUCES.get(k, f"{k[0]} ({k[1]}) is no all-reduce")
+               for k in sorted(chosen - right)]
+        why += [f"without {what}"] if not right <= chosen else []
+        parts.append(f"{counted} all-reduce events ({wanted}: {what} only; {', '.join(why)})")
+    if unit != 1e6:
+        parts.append("dur is in microseconds: divide by 1e6 for seconds")
+    return "; ".join(parts)
+
+
 def check_trace(ctx, entries) -> None:
     rep = ctx.report
     if entries is None:
         rep.fail(54, "allreduce_seconds_per_step is missing from the script")
         return
-    wanted = {kind: want for kind, (_, want) in lesson_traces().items()}
+    traces = lesson_traces()
+    wanted = {kind: want for kind, (_, want) in traces.items()}
     what = {"cpu": "a CPU (gloo) trace with 3 profiled steps",
             "gpu": "a GPU (NCCL) trace with 2 profiled steps"}
     hints = {  # kind -> [(wrong value, what to change)]
@@ -540,8 +607,9 @@ def check_trace(ctx, entries) -> None:
             continue
         if not near(value, want, 1e-4, 1e-12):
             why = next((text for guess, text in hints[kind] if near(value, guess, 1e-4, 1e-12)),
-                       "add up the durations of the all-reduces, divide by the profiled steps "
-                       "and by 1e6")
+                       None) or trace_reading(traces[kind][0], value) or (
+                "add up the durations of the all-reduces, divide by the profiled steps and by "
+                "1e6")
             problems.append(f"{what[kind]}: {value:.4g} s per step instead of {want:g}: {why}")
     if seen_nan:
         rep.fail(54, "allreduce_seconds_per_step returns NaN: add up the all-reduce durations "
