@@ -154,3 +154,36 @@ def test_the_lesson_in_one_process_says_that_a_ring_needs_two_ranks(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: a ring needs 2 or more ranks: torchrun --standalone --nproc_per_node=3 "
         "train/collectives.py ...")
+
+
+def test_the_lesson_says_when_the_trace_is_of_another_run_than_its_prediction(tmp_path):
+    """--trace of a run on other ranks and another vocabulary: one line says so and what to run
+    alike, before the comparison (which is then of two different runs)."""
+    perf = tmp_path / "perf"
+    (perf / "profile").mkdir(parents=True)
+    (perf / "summary.json").write_text(json.dumps({
+        "world_size": 3, "data_vocab_size": 33278,
+        "model_config": {"vocab_size": 33280, "d_model": 64, "n_heads": 4, "n_layers": 2,
+                         "d_ff": 256, "max_seq_len": 32, "dropout": 0.1}}))
+    events = [{"ph": "X", "name": "ProfilerStep#1", "cat": "user_annotation", "dur": 9000},
+              {"ph": "X", "name": "gloo:all_reduce", "cat": "user_annotation", "dur": 3000}]
+    (perf / "profile" / "rank0.1.pt.trace.json").write_text(json.dumps({"traceEvents": events}))
+    proc = run_script("solutions/train/collectives.py", "--preset", "tiny", "--dataset",
+                      "synthetic", "--max-bytes", "4K", "--iters", 1, "--warmup", 1,
+                      "--trace", perf, "--out-dir", tmp_path / "out", nproc=2, timeout=180,
+                      env=script_env(cache_dir=tmp_path / "cache"))
+    vocab = json.loads((tmp_path / "out" / "summary.json").read_text())["model_config"][
+        "vocab_size"]
+    assert (f"WARNING: the trace is from 3 ranks and a model of 33278 words, this run has 2 "
+            f"ranks and {vocab} words: the prediction is for another run; run with the same "
+            "--nproc_per_node and --data-dir as the profiled run") in proc.stdout, proc.stdout
+    assert "3.00 ms of all-reduce per step" in proc.stdout
+    # the same run's shape: nothing to say
+    summary = json.loads((perf / "summary.json").read_text())
+    summary.update(world_size=2, data_vocab_size=vocab)
+    (perf / "summary.json").write_text(json.dumps(summary))
+    proc = run_script("solutions/train/collectives.py", "--preset", "tiny", "--dataset",
+                      "synthetic", "--max-bytes", "4K", "--iters", 1, "--warmup", 1,
+                      "--trace", perf, "--out-dir", tmp_path / "out", nproc=2, timeout=180,
+                      env=script_env(cache_dir=tmp_path / "cache"))
+    assert "the trace is from" not in proc.stdout and "ms of all-reduce per step" in proc.stdout

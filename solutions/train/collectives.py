@@ -18,11 +18,15 @@ the same neighbour):
         --profile --out-dir runs/perf    # the performance step's trace (after its --profile TODO)
     torchrun --standalone --nproc_per_node=2 train/collectives.py --preset tiny --trace runs/perf
     sbatch collectives.sbatch   # the benchmark on 1 and 2 nodes, the trace, then this, on 2 nodes
+The trace is compared with a prediction for this run's ranks and model: run both with the same
+--nproc_per_node (2 here), --preset and data (a trace of another run is named as such). Without
+the performance step done, solutions/train/perf_training.py writes the same trace.
 """
 
 import glob
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -209,6 +213,54 @@ def find_trace(path: str) -> Path | None:
     return None
 
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (Slurm and taskset can give it fewer than the
+    machine has; macOS has no sched_getaffinity)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def profiled_run(trace_file: Path) -> dict | None:
+    """summary.json of the run that wrote the trace (OUT_DIR/profile/rank0.*.json: OUT_DIR's)."""
+    for folder in (trace_file.parent.parent, trace_file.parent):
+        if (folder / "summary.json").is_file():
+            try:
+                return json.loads((folder / "summary.json").read_text())
+            except ValueError:
+                return None
+    return None
+
+
+def other_run(profiled: dict, world_size: int, cfg, vocab_size: int) -> str | None:
+    """One line saying how the profiled run differs from the one predicted here (ranks, words of
+    the data, model shape) and what to run alike; None where they match."""
+    theirs, ours, flags = [], [], []
+    if profiled.get("world_size") not in (None, world_size):
+        theirs.append(f"{profiled['world_size']} ranks")
+        ours.append(f"{world_size} ranks")
+        flags.append("--nproc_per_node")
+    config = profiled.get("model_config") or {}
+    # the words of the data: the performance step may pad the model's vocabulary beyond them
+    words = profiled.get("data_vocab_size", config.get("vocab_size"))
+    if words not in (None, vocab_size):
+        theirs.append(f"a model of {words} words")
+        ours.append(f"{vocab_size} words")
+        flags.append("--data-dir")
+    # the fields that size the parameters (dropout does not; vocab_size is the words above)
+    shape = [k for k in ("d_model", "n_heads", "n_layers", "d_ff", "max_seq_len")
+             if config.get(k, getattr(cfg, k)) != getattr(cfg, k)]
+    if shape:
+        theirs.append(", ".join(f"{k} {config[k]}" for k in shape))
+        ours.append(", ".join(f"{k} {getattr(cfg, k)}" for k in shape))
+        flags.append("--preset")
+    if not theirs:
+        return None
+    return (f"WARNING: the trace is from {' and '.join(theirs)}, this run has "
+            f"{' and '.join(ours)}: the prediction is for another run; run with the same "
+            f"{' and '.join(flags)} as the profiled run")
+
+
 def parse_args():
     parser = base_parser(__file__, __doc__)
     lesson = parser.add_argument_group("the collectives lesson")
@@ -232,6 +284,12 @@ def main():
     if world_size < 2:
         sys.exit("error: a ring needs 2 or more ranks: torchrun --standalone "
                  "--nproc_per_node=3 train/collectives.py ...")
+    # ranks that outnumber the cores take turns on them: a rank waits for a core, and every
+    # collective waits for the last rank (times of a few runs can differ by a factor)
+    local_ranks, cores = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), usable_cores()
+    if local_ranks > cores:
+        print0(f"note: {local_ranks} ranks share {cores} CPU core{'s' if cores > 1 else ''}: "
+               "timings include waiting for a core (raise --iters, or fewer ranks)")
 
     # ---- 1. your ring against dist.all_reduce ----
     wrong, total = ring_differences(device, world_size)
@@ -248,7 +306,7 @@ def main():
     sizes = [2**k for k in range(10, 63) if 2**k <= max(max_bytes, 1024)]
     factor = 2 * (world_size - 1) / world_size  # bus bandwidth / algorithm bandwidth
     print0(f"{'size (B)':>12} {'dist.all_reduce (us)':>21} {'busbw (GB/s)':>13} "
-           f"{'your ring (us)':>15} {'busbw (GB/s)':>13}")
+           f"{'your ring (us)':>15} {'busbw (GB/s)':>13}")  # 3 significant digits
     measured = []
     for size in sizes:
         tensor = torch.ones(size // 4, device=device)
@@ -256,8 +314,8 @@ def main():
         ring = (time_per_call(ring_all_reduce, tensor, device, args.iters, args.warmup)
                 if ring_ok else math.nan)
         measured.append((size, native))
-        print0(f"{size:>12} {native * 1e6:>21.1f} {size / native * factor / 1e9:>13.3f} "
-               f"{ring * 1e6:>15.1f} {size / ring * factor / 1e9:>13.3f}")
+        print0(f"{size:>12} {native * 1e6:>21.1f} {size / native * factor / 1e9:>13.3g} "
+               f"{ring * 1e6:>15.1f} {size / ring * factor / 1e9:>13.3g}")
 
     # ---- 3. latency and bandwidth: the alpha-beta model ----
     fit_to, fit_world = measured, world_size
@@ -278,22 +336,30 @@ def main():
         busbw = math.nan
     else:
         print0(f"alpha-beta fit to {source}: latency {latency * 1e6:.1f} us, bus bandwidth "
-               f"{busbw / 1e9:.3f} GB/s")
-        # The fit's bus bandwidth is the slope's: what ever larger messages approach. Each
-        # measured point pays the latency on top, so its own busbw lies below the fit's; and
+               f"{busbw / 1e9:.3g} GB/s")
+        # The fit's bus bandwidth is the slope's, the limit that ever larger messages approach.
+        # Each measured point pays the latency on top, so its own busbw lies below the fit's;
         # where the points do not lie on a line (a busy CPU, caches) the two differ more.
         size, seconds = max(fit_to)
         factor_fit = 2 * (fit_world - 1) / fit_world
         line = latency + size / busbw * factor_fit
-        print0(f"  the line against the largest message measured, {size} B: it took "
-               f"{seconds * 1e3:.3f} ms, {size / seconds * factor_fit / 1e9:.3f} GB/s bus "
-               f"bandwidth (latency included); the line says {line * 1e3:.3f} ms. The fit's "
-               "bandwidth is the slope's, what ever bigger messages approach: every measured "
-               "point also pays the latency, so its own busbw is lower")
+        print0(f"  check of the fit at {size} B: measured {seconds * 1e3:.2f} ms "
+               f"({size / seconds * factor_fit / 1e9:.3g} GB/s busbw, latency included), the line "
+               f"says {line * 1e3:.2f} ms; the fitted busbw ({busbw / 1e9:.3g} GB/s) is the "
+               "large-message limit, above every measured point's")
 
     # ---- 4. what DDP's gradient all-reduce should cost per step ----
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
-                                 max_vocab=args.max_vocab)
+    def corpus_warning(line: str) -> None:
+        if "SYNTHETIC" not in line:  # its other warnings (a cache it cannot write) as they are
+            print0(line)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir,
+                                 warn=corpus_warning, max_vocab=args.max_vocab)
+    if corpus.source == "synthetic" and args.dataset != "synthetic":
+        # nothing trains here, but the vocabulary sizes the embedding and the output layer
+        print0(f"WARNING: WikiText-2 is neither cached nor downloadable: the model's vocabulary "
+               f"({corpus.vocab_size} words) comes from the SYNTHETIC corpus, and with it the "
+               "gradient size and DDP's buckets. For WikiText-2's, give --data-dir DIR or run "
+               "prepare_data.py")
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      n_layers=args.n_layers)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
@@ -317,17 +383,28 @@ def main():
             print0(f"--trace {args.trace}: no rank0.*.pt.trace.json there: run the performance "
                    "step with --profile and give its --out-dir")
         else:
+            profiled = profiled_run(trace_file)
+            differs = profiled and other_run(profiled, world_size, cfg, corpus.vocab_size)
+            if differs:
+                print0(differs)
             from_trace = allreduce_seconds_per_step(json.loads(trace_file.read_text()))
-            # the trace holds every all-reduce of a step: the gradient buckets' and the loss's
-            # (all_reduce_mean: one tiny message, about one latency), the prediction the buckets'
-            with_loss = predicted + latency
-            ratio = (f": {from_trace / with_loss:.2f} x the prediction plus one latency for the "
-                     f"loss's all-reduce ({with_loss * 1e3:.2f} ms; the trace counts it, the "
-                     "prediction is the gradients' alone)"
-                     if predicted and not math.isnan(predicted) else "")
             print0(f"profiler trace {trace_file}: "
                    + ("not read yet (DONE 54)" if math.isnan(from_trace)
-                      else f"{from_trace * 1e3:.2f} ms of all-reduce per step{ratio}"))
+                      else f"{from_trace * 1e3:.2f} ms of all-reduce per step"))
+            if not math.isnan(from_trace) and predicted and not math.isnan(predicted):
+                # the trace holds every all-reduce of a step: the gradient buckets' and the
+                # loss's (all_reduce_mean: one tiny message, about one latency)
+                with_loss = predicted + latency
+                ratio = from_trace / with_loss
+                print0(f"  predicted {with_loss * 1e3:.2f} ms (the gradients {predicted * 1e3:.2f} "
+                       f"+ the loss's all-reduce {latency * 1e3:.2f}): the trace shows "
+                       f"{ratio:.2f} x the prediction; "
+                       + ("a prediction for another run (the WARNING above)" if differs
+                          else "far above 1 is time spent waiting inside the all-reduce (for a "
+                          "slower rank, or for a core that backward holds: docs/collectives.md)"
+                          if ratio > 1.5 else "near 1: the model accounts for the time"
+                          if ratio > 0.67 else "below 1: faster than the fitted line (fitted to "
+                          "another run's times: docs/collectives.md)"))
 
     write_summary(out_dir, {
         "world_size": world_size, "ring_wrong": wrong, "ring_elements": total,
