@@ -650,9 +650,10 @@ HINTS = {
     20: ("No rank holds the whole model any more: every rank writes its own shards into one "
          "checkpoint folder, together with what a resumed run needs to continue.",
          "save_sharded_model(model, optimizer, folder, train_state) on every rank; train_state "
-         "holds step, epoch, batches_done, global_batch, best_val, loss_history (floats) and "
-         "cfg.to_dict(). Save 'last' at each epoch end and every --checkpoint-every steps, "
-         "'best' when validation improves."),
+         "is a dict with the keys step, epoch, batches_done, global_batch (resume_position reads "
+         "them), best_val, loss_history (floats) and model_config (cfg.to_dict(), which "
+         "load_sharded_model reads). Save 'last' at each epoch end and every --checkpoint-every "
+         "steps, 'best' when validation improves."),
     21: ("A resumed run must continue exactly where the saved one stopped: the same weights, "
          "optimizer state, step, position in the data, best validation loss and loss history.",
          "resume_checkpoint(args.resume, out_dir / 'checkpoints') gives the folder (or None); "

@@ -766,7 +766,8 @@ HINTS = {
          "backward) and zero2 (keep them); offload moves the shards to host memory.",
          "fully_shard from torch.distributed.fsdp in apply_fsdp, on every block and then on the "
          "root, as in the FSDP step; its reshard_after_forward argument tells zero2 from zero3, "
-         "its offload_policy (CPUOffloadPolicy, pinned only with a GPU) makes offload."),
+         "its offload_policy (CPUOffloadPolicy(pin_memory=torch.cuda.is_available()): pinning "
+         "needs a GPU) on every unit, blocks and root, makes offload."),
     57: ("ZeRO-1 shards the optimizer state: each rank keeps AdamW's two moments for its own "
          "share of the parameters, updates that share, and broadcasts it to the others.",
          "torch.distributed.optim.ZeroRedundancyOptimizer, where the optimizer is made, for "
