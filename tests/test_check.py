@@ -211,6 +211,17 @@ def test_halfway_through_the_done_todos_are_ok_and_the_others_not_started(tmp_pa
                          re.M), text
 
 
+def test_imports_that_ran_stay_ok_when_a_later_line_crashes(tmp_path):
+    # peak_flops returns (peak, source): dividing by the tuple stops the run in TODO 42's code,
+    # after TODO 41's imports ran; they are not what to look at
+    code, text, flagged = run_check("perf", copy_of(
+        tmp_path, step_module("perf").FILE,
+        ("    peak, peak_source = peak_flops(device, args.precision)",
+         "    peak = peak_flops(device, args.precision)\n    peak_source = 'the data sheet'")))
+    assert code == 1 and flagged[42].lstrip().startswith("FIX"), text
+    assert re.search(r"^  ok +TODO 41\b", text, re.M), text
+
+
 def test_an_ok_line_claims_only_the_layouts_that_ran(tmp_path):
     """Memory TODOs 55, 57, 58 done, 56 not: the FSDP layouts stop in apply_fsdp, so the ok
     lines of checkpointing and accumulation name the layouts that ran, not every layout."""

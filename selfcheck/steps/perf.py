@@ -82,6 +82,7 @@ def check(ctx) -> None:
                 check_gpu_busy(ctx, run, profiling=False)  # what it returned says more
             if not rep.failed(59) or crash_todo(ctx, r.failure) != 59:
                 report_crash(ctx, r)
+            check_imports(ctx, 41, r)  # the imports ran before the line that stopped it
             rep.note(f"(full output of the {r.name} run: {r.dir / 'output.txt'})")
             return
     check_imports(ctx, 41, run)
