@@ -238,6 +238,18 @@ def other_run(profiled: dict, world_size: int, cfg, vocab_size: int) -> str | No
             f"{' and '.join(flags)} as the profiled run")
 
 
+def what_the_ratio_says(ratio: float, of_another_run: bool) -> str:
+    """How to read the trace's all-reduce time against the prediction (docs/collectives.md)."""
+    if of_another_run:
+        return "a prediction for another run (the WARNING above)"
+    if ratio > 1.5:
+        return ("far above 1 is time spent waiting inside the all-reduce (for a slower rank, or "
+                "for a core that backward holds: docs/collectives.md)")
+    if ratio > 0.67:
+        return "near 1: the model accounts for the time"
+    return "below 1: faster than the fitted line (fitted to another run's times)"
+
+
 def parse_args():
     parser = base_parser(__file__, __doc__)
     lesson = parser.add_argument_group("the collectives lesson")
@@ -326,17 +338,12 @@ def main():
                "large-message limit, above every measured point's")
 
     # ---- 4. what DDP's gradient all-reduce should cost per step ----
-    def corpus_warning(line: str) -> None:
-        if "SYNTHETIC" not in line:  # its other warnings (a cache it cannot write) as they are
-            print0(line)
-    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir,
-                                 warn=corpus_warning, max_vocab=args.max_vocab)
+    corpus = load_corpus_or_exit(args.dataset, args.data_dir, args.cache_dir, warn=print0,
+                                 max_vocab=args.max_vocab)
     if corpus.source == "synthetic" and args.dataset != "synthetic":
         # nothing trains here, but the vocabulary sizes the embedding and the output layer
-        print0(f"WARNING: WikiText-2 is neither cached nor downloadable: the model's vocabulary "
-               f"({corpus.vocab_size} words) comes from the SYNTHETIC corpus, and with it the "
-               "gradient size and DDP's buckets. For WikiText-2's, give --data-dir DIR or run "
-               "prepare_data.py")
+        print0(f"note: here the synthetic corpus's vocabulary ({corpus.vocab_size} words) sizes "
+               "the gradients and DDP's buckets; WikiText-2's gives other numbers")
     cfg = get_config(args.preset, vocab_size=corpus.vocab_size, max_seq_len=args.seq_len,
                      n_layers=args.n_layers)
     with torch.device("meta"):  # shapes only: no memory, no initialisation
@@ -375,13 +382,7 @@ def main():
                 ratio = from_trace / with_loss
                 print0(f"  predicted {with_loss * 1e3:.2f} ms (the gradients {predicted * 1e3:.2f} "
                        f"+ the loss's all-reduce {latency * 1e3:.2f}): the trace shows "
-                       f"{ratio:.2f} x the prediction; "
-                       + ("a prediction for another run (the WARNING above)" if differs
-                          else "far above 1 is time spent waiting inside the all-reduce (for a "
-                          "slower rank, or for a core that backward holds: docs/collectives.md)"
-                          if ratio > 1.5 else "near 1: the model accounts for the time"
-                          if ratio > 0.67 else "below 1: faster than the fitted line (fitted to "
-                          "another run's times: docs/collectives.md)"))
+                       f"{ratio:.2f} x the prediction; {what_the_ratio_says(ratio, bool(differs))}")
 
     write_summary(out_dir, {
         "world_size": world_size, "ring_wrong": wrong, "ring_elements": total,
