@@ -97,20 +97,87 @@ def test_gpu_busy_reads_kernel_time_per_step_against_the_step_s_cpu_time():
     assert gpu_busy(_StandInProfiler(0.0)) == pytest.approx((0.0, 10.0))
 
 
-def test_summing_every_row_s_device_time_counts_each_kernel_twice():
-    """What the first solution of TODO 59 did: on a GPU's rows the kernels count twice, and
-    the GPU's ranges come on top; only the kernels' own rows give their time."""
+def kineto_events(kernel_ms: float, steps: int = 4):
+    """The events torch's profiler makes of `steps` steps of 10 ms on the CPU with `kernel_ms` of
+    kernels each on a GPU, built as torch.autograd.profiler's _parse_kineto_results builds them
+    from Kineto's records (same classes, same names, same kernel links): each step a range
+    ProfilerStep#N holding the range "forward", which holds ten aten::linear (each running
+    aten::mm, which launches a GEMM kernel) and ten aten::add (an elementwise kernel); on the
+    GPU the kernels and the two ranges again."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import EventList, FunctionEvent, _rewrite_name
+    ids = iter(range(1, 10**6))
+
+    def event(name, start, end, device=DeviceType.CPU, annotation=False):
+        return FunctionEvent(
+            id=next(ids), name=_rewrite_name(name, with_wildcard=True), thread=1 if
+            device == DeviceType.CPU else 7, start_us=start, end_us=end, fwd_thread=1,
+            input_shapes=[], stack=[], scope=0, use_device="cuda", cpu_memory_usage=0,
+            device_memory_usage=0, is_async=False, sequence_nr=-1, device_type=device,
+            trace_name=_rewrite_name(name), is_user_annotation=annotation)
+
+    gpu, events = DeviceType.CUDA, []
+    mm_us, add_us = 0.08 * kernel_ms * 1e3, 0.02 * kernel_ms * 1e3  # ten of each per step
+    for s in range(steps):
+        t = s * 10e3  # µs; the CPU: 6.25 ms in the step itself, 3.75 in forward
+        events += [event(f"ProfilerStep#{s + 1}", t, t + 10e3, annotation=True),
+                   event("forward", t + 100, t + 3850, annotation=True)]
+        g = t + 1e3  # the GPU runs the step's kernels from here, one after another
+        for i in range(10):
+            c = t + 100 + 250 + 300 * i
+            linear, mm = event("aten::linear", c, c + 300), event("aten::mm", c + 50, c + 250)
+            add = event("aten::add", t + 350 + 3000 + 50 * i, t + 350 + 3050 + 50 * i)
+            gemm = event("ampere_sgemm_128x64_tn", g, g + mm_us, gpu)
+            elementwise = event("vectorized_elementwise_kernel", g + mm_us,
+                                g + mm_us + add_us, gpu)
+            g += mm_us + add_us
+            if kernel_ms:  # what Kineto's correlation ids link in _parse_kineto_results
+                mm.append_kernel(gemm.name, 0, mm_us)
+                add.append_kernel(elementwise.name, 0, add_us)
+                events += [gemm, elementwise]
+            events += [linear, mm, add]
+        if kernel_ms:  # the ranges on the GPU: from their first kernel's start to their last's
+            # end (the step's spans the next step's first kernels: 1.5 x, forward 0.75 x)
+            events += [event(f"ProfilerStep#{s + 1}", t + 1e3, t + 1e3 + 1.5 * kernel_ms * 1e3,
+                             gpu, annotation=True),
+                       event("forward", t + 1e3, t + 1e3 + 0.75 * kernel_ms * 1e3, gpu,
+                             annotation=True)]
+    profile = EventList(events, use_device="cuda")
+    profile._build_tree()
+    return profile
+
+
+@pytest.mark.parametrize("kernel_ms", [6.0, 0.0], ids=["gpu", "cpu"])
+def test_the_check_s_stand_in_profiler_has_the_rows_torch_makes_of_kineto_s_events(kernel_ms):
+    """The self-check judges TODO 59's gpu_busy on a stand-in profiler (selfcheck/probe.py):
+    its rows must be the ones torch's own key_averages() makes of such a profile."""
     sys.path.insert(0, str(ROOT))
     from selfcheck.probe import _StandInProfiler
-    from torch.autograd import DeviceType
-    rows = _StandInProfiler(6.0).key_averages()
-    every_row = sum(e.self_device_time_total for e in rows) / 4e3
-    operators_and_kernels = sum(e.self_device_time_total for e in rows
-                                if not e.is_user_annotation) / 4e3
-    kernels = sum(e.self_device_time_total for e in rows
-                  if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 4e3
-    assert operators_and_kernels == pytest.approx(2 * kernels) and kernels == pytest.approx(6.0)
-    assert every_row > operators_and_kernels
+
+    def rows(averages):
+        return {(e.key, str(e.device_type), bool(e.is_user_annotation)):
+                (e.count, *(round(getattr(e, f) / 1e3, 6) for f in
+                            ("cpu_time_total", "self_cpu_time_total",
+                             "self_device_time_total", "device_time_total")))
+                for e in averages}
+    assert rows(_StandInProfiler(kernel_ms).key_averages()) == rows(
+        kineto_events(kernel_ms).key_averages())
+
+
+@pytest.mark.parametrize("kernel_ms", [6.0, 0.0], ids=["gpu", "cpu"])
+def test_gpu_busy_gives_torch_s_self_cuda_time_total_per_step(kernel_ms):
+    """TODO 59's solution reads, per step, the kernel time the profile table's last line
+    ("Self CUDA time total") gives, and the CPU's step time."""
+    profile = kineto_events(kernel_ms)
+    table = profile.key_averages().table(sort_by="self_cpu_time_total")
+    total = re.search(r"Self CUDA time total: ([\d.]+)(ms|us)", table)
+    total_ms = float(total.group(1)) / (1e3 if total.group(2) == "us" else 1) if total else 0
+
+    class Stopped:  # what gpu_busy is given: a stopped torch.profiler.profile
+        key_averages = profile.key_averages
+    kernels_ms, step_ms = load_solution().gpu_busy(Stopped())
+    assert kernels_ms == pytest.approx(total_ms / 4) == pytest.approx(kernel_ms)
+    assert step_ms == pytest.approx(10.0)
 
 
 def test_gpu_busy_finds_the_steps_of_a_real_profile_as_torch_groups_them():
