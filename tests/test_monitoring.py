@@ -115,7 +115,7 @@ def test_every_script_logs_every_metric_to_tensorboard(runs, name):
     line = [l for l in stdout.splitlines() if l.startswith("epoch 0 step 3/3 (100%) loss ")]
     assert len(line) == 1, stdout[-2000:]
     assert re.search(r"loss [\d.]+ \d+ tokens/s MFU [\d.]+% mem [\d.]+ GiB \(peak [\d.]+\) "
-                     r"ETA 0s$", line[0]), line[0]
+                     r"ETA 0s; evaluating the validation and test splits next$", line[0]), line[0]
 
 
 @pytest.mark.slow

@@ -274,9 +274,13 @@ class TrainingMonitor:
         percent = 100 * step / self.total_steps if self.total_steps else 100
         rate = (f"{tokens_per_s:.0f} tokens/s MFU {metrics['train/mfu']:.1%}" if steps
                 else "(the first step only starts the clock)")
+        # the last step's ETA leaves out the evaluation of the whole validation and test splits
+        # that follows (on a laptop it can take longer than a short run's training): say so
+        last = "; evaluating the validation and test splits next" if (
+            step >= self.total_steps) else ""
         return (f"step {step}/{self.total_steps} ({percent:.0f}%) loss {loss_value:.4f} {rate} "
                 f"mem {max(mem) / 2**30:.2f} GiB (peak {max(peak) / 2**30:.2f}) "
-                f"ETA {format_duration(eta)}")
+                f"ETA {format_duration(eta)}{last}")
 
     def _memory(self) -> tuple[float, float]:
         """(bytes in use now, peak bytes) of this rank: the GPU's tensors, or on a CPU the
