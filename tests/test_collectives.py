@@ -156,6 +156,40 @@ def test_the_lesson_in_one_process_says_that_a_ring_needs_two_ranks(tmp_path):
         "train/collectives.py ...")
 
 
+def test_the_lesson_leaves_the_folder_of_another_run_alone_with_one_line(tmp_path):
+    """--out-dir runs/perf (the folder meant for --trace): the lesson would replace the profiled
+    run's summary.json; it stops with one line instead, and the folder is as it was. The job
+    file's training flags (--batch-size) are accepted on the way."""
+    perf = tmp_path / "perf"
+    (perf / "checkpoints").mkdir(parents=True)
+    (perf / "checkpoints" / "step_10").write_text("a checkpoint")
+    (perf / "summary.json").write_text(json.dumps({"world_size": 2, "tokens_per_s": 1e4}))
+    before = {p: p.read_bytes() for p in perf.rglob("*") if p.is_file()}
+    proc = run_script("solutions/train/collectives.py", "--preset", "tiny", "--dataset",
+                      "synthetic", "--batch-size", 8, "--out-dir", perf, nproc=2, check=False,
+                      timeout=180, env=script_env(cache_dir=tmp_path / "cache"))
+    # (torchrun's own report of the failure has a traceback of torchrun; the ranks have none)
+    assert proc.returncode != 0 and 'collectives.py", line' not in proc.stderr, proc.stderr
+    assert proc.stderr.count(f"error: --out-dir {perf} holds the results of another run "
+                             "(checkpoints/, summary.json): choose another --out-dir for the "
+                             "lesson (a profiled run's folder goes after --trace), or replace "
+                             "its summary.json with --overwrite") >= 1, proc.stderr
+    assert {p: p.read_bytes() for p in perf.rglob("*") if p.is_file()} == before
+
+
+def test_the_lesson_s_help_lists_only_the_flags_it_reads():
+    """The lesson trains nothing: --help leaves out the training flags it accepts (a job file
+    hands the same arguments to the profiled run and to the lesson)."""
+    proc = subprocess.run([sys.executable, "solutions/train/collectives.py", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=True)
+    options = proc.stdout.split("\noptions:")[1]  # (the docstring above shows other commands)
+    for flag in ("--preset", "--data-dir", "--out-dir", "--trace", "--max-bytes", "--seed"):
+        assert flag in options, flag
+    for flag in ("--epochs", "--max-steps", "--batch-size", "--lr", "--precision", "--compile",
+                 "--logger", "--log-every", "--dropout", "--num-workers", "checkpoints"):
+        assert flag not in options, flag
+
+
 def test_the_lesson_says_when_the_trace_is_of_another_run_than_its_prediction(tmp_path):
     """--trace of a run on other ranks and another vocabulary: one line says so and what to run
     alike, before the comparison (which is then of two different runs)."""

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from model import TransformerLM, get_config
 from utils.args import base_parser, byte_size, positive_int
+from utils.checks import claim_lesson_out_dir
 from utils.data import load_corpus_or_exit
 from utils.distributed_utils import destroy_process_group, print0, setup
 from utils.metrics import synchronize, write_summary
@@ -251,7 +252,7 @@ def what_the_ratio_says(ratio: float, of_another_run: bool) -> str:
 
 
 def parse_args():
-    parser = base_parser(__file__, __doc__)
+    parser = base_parser(__file__, __doc__, trains=False)
     lesson = parser.add_argument_group("the collectives lesson")
     lesson.add_argument("--max-bytes", type=byte_size, default=None,
                         help="largest message timed (default 64M on GPUs, 4M on CPUs)")
@@ -273,6 +274,7 @@ def main():
     if world_size < 2:
         sys.exit("error: a ring needs 2 or more ranks: torchrun --standalone "
                  "--nproc_per_node=3 train/collectives.py ...")
+    claim_lesson_out_dir(args, own_key="ring_elements")  # another run's folder keeps its results
     # ranks that outnumber the cores take turns on them: a rank waits for a core, and every
     # collective waits for the last rank (times of a few runs can differ by a factor)
     local_ranks, cores = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)), usable_cores()

@@ -131,7 +131,11 @@ def default_out_dir(script: str) -> str:
     return str(Path("runs") / (Path(script).stem + (f"-{job}" if job else "")))
 
 
-def base_parser(script: str, description: str | None) -> argparse.ArgumentParser:
+def base_parser(script: str, description: str | None,
+                trains: bool = True) -> argparse.ArgumentParser:
+    """The flags every script shares. With trains=False (a lesson that trains nothing: the
+    collectives lesson), the training, performance and logging flags are still accepted (a job
+    file hands the same arguments to a training run and to the lesson) but left out of --help."""
     p = OneLineParser(description=description,
                       formatter_class=argparse.RawDescriptionHelpFormatter)
     data = p.add_argument_group("data")
@@ -182,4 +186,18 @@ def base_parser(script: str, description: str | None) -> argparse.ArgumentParser
                           "a run refuses to start where one finished, unless it resumes it)")
     out.add_argument("--logger", choices=["none", "tensorboard", "wandb"], default="tensorboard")
     out.add_argument("--log-every", type=positive_int, default=10, help="steps between loss prints")
+    if not trains:
+        for action in p._actions:
+            if action.dest in UNUSED_WITHOUT_TRAINING:
+                action.help = argparse.SUPPRESS
+            elif action.dest == "out_dir":
+                action.help = "summary.json (default runs/<script>[-<job id>])"
+            elif action.dest == "overwrite":
+                action.help = ("write summary.json into a folder that holds another run's "
+                               "results (without it, the lesson refuses to)")
     return p
+
+
+# the flags base_parser(trains=False) accepts without listing them in --help
+UNUSED_WITHOUT_TRAINING = {"num_workers", "dropout", "epochs", "max_steps", "batch_size", "lr",
+                           "weight_decay", "precision", "compile", "logger", "log_every"}

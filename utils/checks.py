@@ -8,6 +8,7 @@ only one of them prints the line.
 from __future__ import annotations
 
 import atexit
+import json
 import math
 import os
 import shutil
@@ -174,6 +175,36 @@ def _launch_rank() -> int:
     if os.environ.get("NODE_RANK", "0") != "0":  # Lightning's processes on another node
         return 1
     return int(os.environ.get("LOCAL_RANK") or 0)  # Lightning's own processes on one node
+
+
+def claim_lesson_out_dir(args, own_key: str) -> None:
+    """Before a lesson that trains nothing and writes only OUT_DIR/summary.json (the
+    collectives lesson, run again after every TODO): its own summary.json (one with `own_key`)
+    is replaced without asking, but a folder holding another run's results (a training run's
+    checkpoints and summary.json: runs/perf belongs after --trace, not --out-dir) is left
+    alone unless --overwrite says to replace its summary.json. Call it on every rank, right
+    after setup(): rank 0 decides, all ranks stop together with one line."""
+    out_dir = Path(args.out_dir)
+    check_writable(out_dir)
+    rank, problem = _launch_rank(), None
+    if rank == 0:
+        summary = out_dir / "summary.json"
+        try:
+            own = summary.is_file() and own_key in json.loads(summary.read_text())
+        except (OSError, ValueError):  # unreadable: not the lesson's
+            own = False
+        theirs = [n for n in earlier_results(out_dir) if not (n == "summary.json" and own)]
+        if theirs and not args.overwrite:
+            names = ", ".join(f"{n}/" if (out_dir / n).is_dir() else n for n in theirs)
+            problem = (f"--out-dir {out_dir} holds the results of another run ({names}): "
+                       "choose another --out-dir for the lesson (a profiled run's folder goes "
+                       "after --trace), or replace its summary.json with --overwrite")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        _stop(problem, rank == 0)
 
 
 def remove_leftovers(folder: Path) -> None:
