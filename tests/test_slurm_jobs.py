@@ -346,12 +346,15 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
     or a node failure would) once it has written a checkpoint. The job starts again with the
     same id, OUT_DIR and SLURM_RESTART_COUNT=1, and the script continues from the newest
     checkpoint without --resume. As in the Lightning test, the requeue hold is lifted and the
-    requeued run's --max-steps comes from a file the test writes while it waits."""
+    requeued run's --max-steps comes from a file the test writes while it waits.
+    The job is submitted with --overwrite into a folder of an earlier run: its first start
+    deletes that run's results, the requeued start keeps its own checkpoints."""
     if not (ROOT / "solutions/fsdp_training.sbatch").is_file():
         pytest.skip("solutions/fsdp_training.sbatch is not in this checkout yet")
     import time
     out = tmp_path / "run"
     out.mkdir()
+    (out / "hpc_ckpt_1.ckpt").write_text("an earlier run's result (FSDP writes none such)")
     text = (ROOT / "solutions/fsdp_training.sbatch").read_text()
     args_line = 'ARGS=(--dataset wikitext-2 --preset workshop --out-dir "$OUT_DIR" "$@")\n'
     assert args_line in text
@@ -361,7 +364,8 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
     job_id = slurm.submit(
         variant, "--preset", "tiny", "--log-every", "1", "--data-dir", text_dir,
         "--out-dir", out, "--max-steps", "100000000", "--epochs", "100000",
-        "--checkpoint-every", "3", output=out / "job.out", sbatch_options=["--nodes=2"],
+        "--checkpoint-every", "3", "--overwrite", output=out / "job.out",
+        sbatch_options=["--nodes=2"],
         env={**job_env, "OUT_DIR": out, "SCRIPT": "solutions/train/fsdp_training.py"})
     last = out / "checkpoints" / "last"
     deadline = time.monotonic() + 120
@@ -386,6 +390,12 @@ def test_a_requeued_fsdp_job_continues_from_its_newest_checkpoint_and_says_so(
               reason=fields.get("Reason", ""), node_list=fields.get("NodeList", ""),
               cancelled=cancelled, fields=fields, daemon_log=slurm.daemon_lines(job_id))
     assert job.completed and fields.get("Restarts") == "1", job.describe()
+    assert not (out / "hpc_ckpt_1.ckpt").exists()
+    deleted = job.log.find(f"--overwrite: deleted the earlier run's hpc_ckpt_1.ckpt in {out}")
+    kept = job.log.find(f"--overwrite: kept checkpoints in {out}: this is Slurm restart 1 of "
+                        "the run that wrote them")
+    # the first start, then the requeued one, in one log (the job file appends)
+    assert 0 <= deleted < kept, job.describe()
     assert (f"Slurm restart 1: continuing from the newest complete checkpoint {newest} "
             f"(step {step})") in job.log, job.describe()
     summary = json.loads((out / "summary.json").read_text())
