@@ -192,6 +192,8 @@ def partly_done(source: str, done: set) -> str:
 
 @pytest.mark.parametrize("step, done", [("ddp", {1, 2, 3, 4, 5, 6}), ("ddp", {1, 2, 3, 4, 5}),
                                         ("fsdp", {17, 18, 19}), ("tp", {23, 24, 25, 26}),
+                                        # TODO 33 not started: the run stops in evaluate()
+                                        ("tp", set(range(23, 33))),
                                         ("perf", {41, 42}), ("perf", {41, 42, 43}),
                                         ("sbatch", {12, 13, 14}),
                                         # a done TODO whose function a TODO not started calls
@@ -220,6 +222,24 @@ def test_imports_that_ran_stay_ok_when_a_later_line_crashes(tmp_path):
          "    peak = peak_flops(device, args.precision)\n    peak_source = 'the data sheet'")))
     assert code == 1 and flagged[42].lstrip().startswith("FIX"), text
     assert re.search(r"^  ok +TODO 41\b", text, re.M), text
+
+
+def test_a_tp_run_stopped_in_evaluation_still_judges_the_training_before_it(tmp_path):
+    """TP: evaluate() without loss_parallel stops the run at the end of the first epoch. The
+    training TODOs are judged from what ran before it (ok), TODO 33 is the FIX, and only what
+    comes after the evaluation waits for it: summary.json (TODO 31, its losses and tokens said
+    so far) and the saves (TODO 32)."""
+    mistake = next(m for m in MISTAKES if m[2] == "evaluation without loss_parallel")
+    code, text, flagged = run_check("tp", copy_of(tmp_path, mistake[1], *mistake[4]))
+    assert code == 1 and set(flagged) == {33} and flagged[33].lstrip().startswith("FIX"), text
+    for n in (23, 24, 25, 26, 27, 28, 29, 30):
+        assert re.search(rf"^  ok +TODO {n}\b", text, re.M), text
+    line = re.search(r"^  not checked +TODO 31\b.*$", text, re.M)
+    assert line and "written after the evaluation" in line.group(0), text
+    assert "so far: the logged training losses equal the single-process run" in line.group(0)
+    line = re.search(r"^  not checked +TODO 32\b.*$", text, re.M)
+    assert line and "saved after the evaluation" in line.group(0), text
+    assert "fix TODO 33 below first" in line.group(0), text
 
 
 def test_an_ok_line_claims_only_the_layouts_that_ran(tmp_path):

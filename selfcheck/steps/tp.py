@@ -17,7 +17,8 @@ from selfcheck.runs import ONE, ONE_NODE_TWO, TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_tokens,
                                     check_training_shards, check_weights_file, crash_todo,
-                                    import_todo, rank_todo, report_crash, usual_cause)
+                                    import_todo, printed_losses, rank_todo, ratio_hint,
+                                    report_crash, usual_cause)
 
 FILE = "train/tp_training.py"
 WHAT = "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"
@@ -83,6 +84,8 @@ def check(ctx) -> None:
         if lost and lost[1] == 23 and rep.judged(23) and not rep.failed(23):
             rep.verdicts[23] = [("ok", f"the step's new names are imported; {lost[0]}'s import "
                                  f"went too early (TODO {lost[2]}'s line says why)")]
+        if mesh != "wrong" and not rep.failed(24) and stopped_in_evaluation(run):
+            check_training_before_evaluation(ctx, run, ref, nodes, mesh)
         return
     check_imports(ctx, 23, run)
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
@@ -157,6 +160,124 @@ def report_lost_import(ctx, run) -> tuple | None:
     return (*lost, used_by)
 
 
+def stopped_in_evaluation(run) -> bool:
+    """Every rank that stopped, on its own or waiting for another, did so inside the script's
+    evaluate(): the training steps before it ran, and what they did can be judged."""
+    f = run.failure
+    stopped = [p for p in (f, *f.peers) if p.frames] if f else []
+    return bool(stopped) and all(any(fr["func"] == "evaluate" for fr in p.frames)
+                                 for p in stopped)
+
+
+def check_training_before_evaluation(ctx, run, ref, nodes, mesh) -> None:
+    """A run that stopped inside evaluate(): the training TODOs judged from what ran before it
+    (the samplers, the FSDP units, the loss under loss_parallel, the tokens and the losses of
+    the steps logged), as for a run that finished. summary.json and the saves come after the
+    evaluation: TODO 31's summary and TODO 32 wait for it."""
+    rep = ctx.report
+    r0 = run.ranks[0]
+    tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
+    dp = run.geometry.world // tp
+    # the TODO whose FIX stopped the run (filed before the training is judged)
+    stop = crash_todo(ctx, run.failure)
+    if stop not in rep.names or not rep.failed(stop):
+        stop = max((n for n in rep.names if rep.failed(n)), default=max(rep.names))
+    shards_right = True
+    if r0.get("meshes"):  # (before the mesh, the samplers of the DDP script are right as is)
+        shards_right = check_training_shards(ctx, run, 27, 27, replicas=dp,
+                                             replica_of=lambda r: r // tp, made_is_attempt=False,
+                                             given_as="num_replicas=dp_size, rank=dp_rank")
+        check_eval_samplers(ctx, run, dp, lambda r: r // tp)
+    check_fsdp(ctx, run)
+    if r0.get("tp", {}).get("split"):
+        check_loss_parallel(ctx, run)
+        if shards_right:
+            check_logged_losses(ctx, run, ref, 31)
+        elif rep.failed(27):
+            rep.waits(31, "the logged losses are compared with one process's once each replica "
+                      "trains on its own shard (TODO 27): until then they train on other data "
+                      "than one process")
+        check_tokens(ctx, run, 31, BATCH * dp * SEQ_LEN, "throughput.step(x.numel() * "
+                     "dp_size): the ranks of a TP group share one batch")
+        if mesh == "ok":  # (a wrong dp_group is said under TODO 26)
+            check_reduction_groups(ctx, run, dp)
+            check_replicas(ctx, nodes, ref)
+
+    def later(todo):
+        where = "below" if stop > todo else "above"
+        if rep.not_started(stop):
+            return f"once TODO {stop} {where} is done (not started yet)"
+        return f"once evaluate() runs through (fix TODO {stop} {where} first)"
+    if 31 not in rep.waiting:
+        rep.waits(31, "summary.json, with the sizes training_summary is told, is written after "
+                  f"the evaluation: it is checked {later(31)}")
+    rep.waits(32, f"the weights are saved after the evaluation: they are checked {later(32)}")
+
+
+def check_eval_samplers(ctx, run, replicas, replica_of, where="") -> None:
+    """TODO 27 for a run that stopped inside evaluate(), where what the ranks read of a split is
+    partial: the validation and test samplers by the arguments they were given (built before
+    training). Anything but a DistributedEvalSampler in each loader waits for the reads.
+    where: which run it was ("on two nodes (tp 1, dp 2) "), for the FIX line."""
+    rep = ctx.report
+    for rank, r in enumerate(run.ranks):
+        for split, name, var in ((1, "validation", "val"), (2, "test", "test")):
+            loader = next((l for l in (r or {}).get("loaders", []) if l["dataset"] == split),
+                          None)
+            s = r["samplers"][loader["sampler"]] if loader and loader["sampler"] is not None \
+                else None
+            if s is None or s["kind"] != "DistributedEvalSampler" or loader["drop_last"]:
+                rep.waits(27, f"the {name} samples each replica reads are checked once "
+                          "evaluate() runs through")
+                return
+            got = (s["given"].get("num_replicas", 1), s["given"].get("rank", 0))
+            if got != (replicas, replica_of(rank)):
+                rep.fail(27, f"{where}rank {rank}'s {name} sampler has num_replicas={got[0]}, "
+                         f"rank={got[1]}, but it is in replica {replica_of(rank)} of "
+                         f"{replicas}: the ranks of a TP group evaluate the same samples, "
+                         f"DistributedEvalSampler({var}_ds, num_replicas=dp_size, rank=dp_rank)"
+                         + (", the same for test" if split == 1 else ""))
+                return
+
+
+TWICE = ": twice the mean, a sum over 2 replicas? (all_reduce_mean, not all_reduce_sum)"
+
+
+def check_logged_losses(ctx, run, ref, todo, what="the logged training losses") -> bool | None:
+    """check_losses for a run that stopped in its evaluation, before summary.json: the loss the
+    logger got at each step (train/loss) and the printed step lines against one process's.
+    None where no step was logged."""
+    rep = ctx.report
+    theirs = ref.summary["loss_history"]
+    logged = {e["step"]: e["metrics"]["train/loss"] for e in run.ranks[0].get("logged", [])
+              if "train/loss" in e["metrics"]}
+    if not logged:
+        return None
+    beyond = [s for s in logged if not 1 <= s <= len(theirs)]
+    if beyond:
+        rep.fail(todo, f"a training loss is logged for step {beyond[0]}, the single-process "
+                 f"run takes {len(theirs)} steps (1 to {len(theirs)})")
+        return False
+    wrong = [(s, v) for s, v in sorted(logged.items()) if not near(v, theirs[s - 1])]
+    if wrong:
+        s, v = wrong[0]
+        rep.fail(todo, f"{what} differ from the single-process run from step {s} on "
+                 f"({v:.5f} vs {theirs[s - 1]:.5f})" + ratio_hint(v, theirs[s - 1], TWICE))
+        return False
+    printed = printed_losses(run.outputs[0])
+    wrong = [(s, v) for s, v in sorted(printed.items())
+             if s in logged and not near(v, logged[s], 1e-3, 1e-3)]
+    if wrong:
+        s, v = wrong[0]
+        rep.fail(todo, f"the step lines print another loss than the logger gets (step {s}: "
+                 f"printed {v:.4f}, logged {logged[s]:.4f} as in the single-process run)"
+                 + ratio_hint(v, logged[s], TWICE))
+        return False
+    rep.ok(todo, f"{what} equal the single-process run ({len(logged)} steps before the "
+           "evaluation)")
+    return True
+
+
 def check_loss_parallel(ctx, run) -> None:
     rep = ctx.report
     if any(c["func"] == "main" for c in calls(run, "loss_parallel")):
@@ -204,21 +325,26 @@ def check_reduction_groups(ctx, run, dp) -> None:
 
 def check_replicas(ctx, nodes, ref) -> None:
     """On two nodes with one process each (tp 1, dp 2): the loss averaged and the evaluation
-    added up over the two replicas, as one process on the whole batch."""
+    added up over the two replicas, as one process on the whole batch. A run that stopped
+    inside evaluate() shows its training only."""
     rep = ctx.report
-    if nodes.crashed or not nodes.summary:
+    evaluated = not nodes.crashed and nodes.summary
+    if not (evaluated or stopped_in_evaluation(nodes)):
         return
     tp = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
-    if tp != 1 or rep.failed(31) and rep.failed(33):
+    if tp != 1 or evaluated and rep.failed(31) and rep.failed(33):
         return
     # dp 2 shows what dp 1 cannot: which samples each replica reads, and the tokens of both
     # (their ok lines are said once, for the run above)
     said = {todo: len(rep.verdicts.get(todo, [])) for todo in (27, 31)}
     check_training_shards(ctx, nodes, 27, 27, replicas=2, replica_of=lambda r: r,
                           made_is_attempt=False, given_as="num_replicas=dp_size, rank=dp_rank")
-    for split in (1, 2):
-        check_eval_reads(ctx, nodes, 27, replicas=2, replica_of=lambda r: r,
-                         made_is_attempt=False, split=split)
+    if evaluated:
+        for split in (1, 2):
+            check_eval_reads(ctx, nodes, 27, replicas=2, replica_of=lambda r: r,
+                             made_is_attempt=False, split=split)
+    else:  # (what it read of the split is partial)
+        check_eval_samplers(ctx, nodes, 2, lambda r: r, where="on two nodes (tp 1, dp 2) ")
     check_tokens(ctx, nodes, 31, BATCH * SEQ_LEN, "throughput.step(x.numel() * dp_size): "
                  "each replica trains on its own batch")
     for todo, before in said.items():
@@ -228,9 +354,10 @@ def check_replicas(ctx, nodes, ref) -> None:
         return  # the replicas read other data than one process: nothing to compare yet
     if not rep.failed(31):
         before = len(rep.verdicts.get(31, []))
-        if check_losses(ctx, nodes, ref, 31, "on two nodes (tp 1, dp 2) the logged losses"):
+        compare = check_losses if evaluated else check_logged_losses
+        if compare(ctx, nodes, ref, 31, "on two nodes (tp 1, dp 2) the logged losses"):
             del rep.verdicts[31][before:]  # (said once, for the run above)
-    if not rep.failed(33):
+    if evaluated and not rep.failed(33):
         before = len(rep.verdicts.get(33, []))
         if check_eval_exact(ctx, nodes, 33, "on two nodes (tp 1, dp 2) the replicas evaluated "
                             "different samples: add up loss_sum and tokens over dp_group, "
