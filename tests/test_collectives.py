@@ -14,6 +14,8 @@ import pytest
 
 from conftest import ROOT, load_script, run_script, script_env
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
+
 BENCH = "benchmarks/collectives.py"
 OPS = {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "sendrecv"}
 SMALL = ("--min-bytes", "1K", "--max-bytes", "8K", "--iters", 2, "--warmup", 1)

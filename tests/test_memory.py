@@ -29,7 +29,7 @@ BATCH, SEQ = 4, 32
 TIMEOUT = 180
 # The first test waits for the shared runs: nine 2-process runs, about 4 minutes beside another
 # test file on 2 cores, more than the suite's 300 s when the machine is busier (CI was).
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.warm_start]  # runs forked warm: tests/warm_launch.py
 STATE = ("parameters", "gradients", "optimizer")
 
 

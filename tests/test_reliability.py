@@ -25,6 +25,7 @@ import torch
 from conftest import ROOT, run_script, script_env
 from distributed import free_port
 
+pytestmark = pytest.mark.warm_start  # runs forked warm: tests/warm_launch.py
 DDP = "solutions/train/to_distributed_training.py"
 SCRIPTS = {"ddp": DDP, "fsdp": "solutions/train/fsdp_training.py",
            "tp": "solutions/train/tp_training.py", "pp": "solutions/train/pp_training.py",
