@@ -14,10 +14,12 @@ A rank that is stuck can be asked for its stack: SIGUSR1 writes it to rank<R>.st
 from __future__ import annotations
 
 import builtins
+import contextlib
 import faulthandler
 import functools
 import gc
 import importlib.util
+import io
 import json
 import math
 import os
@@ -233,6 +235,7 @@ class Probe:
             probe.models.append(self)
             if len(probe.models) == 1:
                 record["model_vocab"] = self.cfg.vocab_size  # (known also if the run crashes)
+                record["model_flops"] = model_flops(self, flops_of)  # what MFU counts (TODO 42)
                 self.register_forward_pre_hook(probe.forward_pre_hook)
                 self.register_forward_hook(probe.output_hook)
                 for module in self.modules():
@@ -322,6 +325,12 @@ class Probe:
         def precision_asked(*a, **k):  # the dtype MFU divides by (TODO 42)
             return str(k.get("precision", a[1] if len(a) > 1 else "fp32"))
         wrap(um, "peak_flops", before=called("peak_flops", precision=precision_asked))
+
+        def params_counted(*a, **k):  # the parameters MFU's FLOPs per token count (TODO 42)
+            n = k.get("n_params_non_embedding", a[0] if a else None)
+            return n if isinstance(n, (int, float)) and not isinstance(n, bool) else None
+        flops_of = wrap(um, "flops_per_token",
+                        before=called("flops_per_token", n_params=params_counted))
 
         def setup_after(result, *a, **k):
             record["setup"][-1]["returned"] = [r if isinstance(r, int) else str(r)
@@ -1069,6 +1078,21 @@ def lesson_model(p: dict):
                                  for _ in range(p["layers"])))
 
 
+def model_flops(model, flops_per_token) -> dict:
+    """The parameters of a TransformerLM that MFU counts (its matmuls' weights, the output
+    projection's too: the embedding tables are lookups), all its parameters, and the FLOPs per
+    token of each count (TODO 42); and the output projection's own. The check's vocabulary is
+    tiny: there the tables change the FLOPs by a few per cent only, so the check compares
+    counts, not just printed MFUs."""
+    cfg = model.cfg
+    counts = {"matmuls": model.num_params(exclude_embeddings=True), "all": model.num_params()}
+    output = getattr(model, "output", None)
+    return {**counts, **{f"flops_{what}": flops_per_token(n, cfg.n_layers, cfg.d_model,
+                                                          cfg.max_seq_len)
+                         for what, n in counts.items()},
+            "output": output.weight.numel() if output is not None else 0}
+
+
 def lesson_call(fn, *args) -> dict:
     """{"value": what fn returned (numbers as floats)} or {"error": one line}."""
     try:
@@ -1113,7 +1137,9 @@ class _StandInProfiler:
     Per step on a GPU busy 6 ms, these sums give: the kernels' rows 6 (right); every row's
     self device time 25.5 (kernels twice, and the GPU's ranges 9 + 4.5); the GPU's rows with
     the ranges 19.5; the CPU operators and the kernels 12; device_time_total of every row
-    42.3. Both ProfilerStep* rows counted: 8 steps, 5 ms each (selfcheck/steps/perf.py)."""
+    42.3. Both ProfilerStep* rows counted: 8 steps, 5 ms each (selfcheck/steps/perf.py).
+    tests/test_perf_lesson.py holds these rows against what torch's own key_averages() makes
+    of such a profile's events."""
 
     def __init__(self, kernel_ms: float):
         from torch.autograd import DeviceType
@@ -1147,7 +1173,9 @@ def performance_lesson(probe, module) -> None:
     the profiling window the script's constants describe (TODO 43); and, where the check asks
     (CHECK_EVAL_PAUSE seconds), each evaluation made that much longer and its start and end
     recorded: a tokens/s interval that counts an evaluation then stands out from the jitter
-    of a loaded machine (TODO 42), where the tiny preset's own evaluation takes milliseconds."""
+    of a loaded machine (TODO 42), where the tiny preset's own evaluation takes milliseconds;
+    and, where the check asks (CHECK_PROFILER_WINDOWS), the window profiler_window gives runs of
+    a few steps and long ones (TODO 43): the check's runs take 1 and 10 steps only."""
     pause = float(os.environ.get("CHECK_EVAL_PAUSE") or 0)
     if pause and callable(getattr(module, "evaluate", None)):
         windows = probe.record.setdefault("eval_windows", [])
@@ -1164,10 +1192,33 @@ def performance_lesson(probe, module) -> None:
     window = [getattr(module, f"PROFILE_{n}", None) for n in ("WAIT", "WARMUP", "ACTIVE")]
     if all(isinstance(v, int) and not isinstance(v, bool) for v in window):
         probe.record["profile_window"] = window
+    window_of = getattr(module, "profiler_window", None)
+    if callable(window_of) and os.environ.get("CHECK_PROFILER_WINDOWS"):
+        probe.record["profiler_windows"] = profiler_windows(
+            probe, getattr(window_of, "__wrapped__", window_of))  # (not as the script's call)
     if callable(getattr(module, "gpu_busy", None)):
         probe.record["gpu_busy"] = {
             "gpu": lesson_call(module.gpu_busy, _StandInProfiler(6.0)),
             "cpu": lesson_call(module.gpu_busy, _StandInProfiler(0.0))}
+
+
+# the runs profiler_window is asked about: every length up to 12 steps (--max-steps 3 is a
+# usual first try), and two long runs (a window that grows with the run is not bounded)
+WINDOW_STEPS = (*range(13), 1000, 100_000)
+
+
+def profiler_windows(probe, window_of) -> dict:
+    """{steps: lesson_call(profiler_window, steps)} for WINDOW_STEPS, before main() runs. What
+    it prints is left out of the record and the output: the check reads the run's own lines."""
+    record = probe.record
+    prints, calls, on_print = len(record["prints"]), len(record["calls"]), probe.on_print
+    probe.on_print = None  # (the stand-in GPU's timeline)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            return {str(n): lesson_call(window_of, n) for n in WINDOW_STEPS}
+    finally:
+        del record["prints"][prints:], record["calls"][calls:]
+        probe.on_print = on_print
 
 
 def collectives_lesson(probe, module) -> None:

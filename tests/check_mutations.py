@@ -1092,6 +1092,26 @@ MISTAKES = [
      [
       ('with annotate("forward", device), autocast(args.precision, device):',
        'with annotate("forward", device), torch.autocast(device.type, dtype=torch.float16, enabled=args.precision == "bf16"):')]),
+    ("perf", PERF, "MFU's FLOPs per token from all parameters (the embedding tables counted)", 42,
+     [("flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,",
+       "flops_per_token(model.num_params(), cfg.n_layers,")]),
+    ("perf", PERF, "FLOPs per token written out from all parameters", 42,
+     [("    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,\n"
+       "                                    cfg.d_model, cfg.max_seq_len)\n",
+       "    flops_per_tok = 6 * model.num_params() + 12 * cfg.n_layers * cfg.d_model * cfg.max_seq_len\n")]),
+    ("perf", PERF, "the output projection left out of the FLOPs too (as if tied to the embedding)", 42,
+     [("flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,",
+       "flops_per_token(model.num_params(exclude_embeddings=True) - model.output.weight.numel(),\n"
+       "                                    cfg.n_layers,")]),
+    ("perf", PERF, "the whole profiling window for every run of 2 steps or more", 43,
+     [("        return 0, 1, steps_available - 1\n",
+       "        return PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n")]),
+    ("perf", PERF, "only the active steps shrunk for a short run", 43,
+     [("        return 0, 1, steps_available - 1\n",
+       "        return PROFILE_WAIT, PROFILE_WARMUP, min(PROFILE_ACTIVE, steps_available - 1)\n")]),
+    ("perf", PERF, "the active steps without min() (a long run records every step)", 43,
+     [("        return PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n",
+       "        return PROFILE_WAIT, PROFILE_WARMUP, steps_available - PROFILE_WAIT - PROFILE_WARMUP\n")]),
     # ---- the performance job file ------------------------------------------------------
     ("perf-sbatch", PERF_SBATCH, "nsys on every run", 48,
      [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
@@ -1618,6 +1638,18 @@ MESSAGES = {
     "DCP state_dict nested under 'model'": ("'model.'", "dcp.save(model.state_dict()"),
     "torch.cuda.synchronize() with no device test": ("synchronize(device) from utils.metrics",),
     "tokens/s per rank, MFU per device (right)": ("interval_tokens += x.numel() * world_size",),
+    "MFU's FLOPs per token from all parameters (the embedding tables counted)": (
+        "lookups, not matmuls", "exclude_embeddings=True", "output projection is a matmul"),
+    "FLOPs per token written out from all parameters": (
+        "embedding tables", "lookups, not matmuls", "exclude_embeddings=True"),
+    "the output projection left out of the FLOPs too (as if tied to the embedding)": (
+        "fewer than", "output projection is a matmul and stays counted"),
+    "the whole profiling window for every run of 2 steps or more": (
+        "profiler_window(2) returns (1, 2, 3)", "(--max-steps 2) ends before it", "or return None"),
+    "only the active steps shrunk for a short run": (
+        "profiler_window(2) returns (1, 2, 1)", "Shrink it to the steps available"),
+    "the active steps without min() (a long run records every step)": (
+        "grows with the run", "min(PROFILE_ACTIVE"),
     "the interval clock started once, before the epochs (evaluation counted)": (
         "the first after an evaluation", "start the interval with each epoch"),
     "tokens/s cumulative since the epoch began (no reset after a report)": (
@@ -1991,6 +2023,28 @@ CORRECT = [
     ("perf", PERF, "the peak said in GFLOP/s",
      [('print0(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")',
        'print0(f"MFU divides by {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")')]),
+    ("perf", PERF, "FLOPs per token of all parameters less the two embedding tables, by hand",
+     [("flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,",
+       "flops_per_token(model.num_params() - model.tok_emb.weight.numel()\n"
+       "                                    - model.pos_emb.weight.numel(), cfg.n_layers,")]),
+    ("perf", PERF, "FLOPs per token from the weight matrices alone (norms and biases left out)",
+     [("flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,",
+       "flops_per_token(sum(p.numel() for n, p in model.named_parameters()\n"
+       "                                        if p.dim() == 2 and not n.endswith(\"_emb.weight\")),\n"
+       "                                    cfg.n_layers,")]),
+    ("perf", PERF, "the profiling window shrunk part by part with min()",
+     [("    if steps_available >= PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE:\n"
+       "        return PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n"
+       "    if steps_available >= 2:\n"
+       "        return 0, 1, steps_available - 1\n"
+       "    return None\n",
+       "    if steps_available < 2:\n"
+       "        return None\n"
+       "    wait = min(PROFILE_WAIT, steps_available - 2)\n"
+       "    warmup = min(PROFILE_WARMUP, steps_available - wait - 1)\n"
+       "    return wait, warmup, min(PROFILE_ACTIVE, steps_available - wait - warmup)\n")]),
+    ("perf", PERF, "no profile for a run shorter than the whole window (said so)",
+     [("    if steps_available >= 2:\n        return 0, 1, steps_available - 1\n", "")]),
     ("perf-sbatch", PERF_SBATCH, "nsys options spelled out",
      [('-t "${NSYS_TRACE:-cuda,nvtx,nccl}" -o "$OUT_DIR/nsys" --force-overwrite=true',
        '--trace="${NSYS_TRACE:-cuda,nvtx,nccl}" --output="$OUT_DIR/nsys" --force-overwrite true')]),
