@@ -146,6 +146,7 @@ class TrainingMonitor:
         self.last_tokens = self.last_seconds = self.last_steps = 0
         self.epoch_tokens = self.epoch_seconds = 0
         self.eta_start = None
+        self.legend_said = False  # the line under the first report (report())
         # the memory breakdown: activations counted from the first batch to the first
         # optimizer step, then measured once (watch_memory, _measure_memory)
         self.model, self.precision = model, precision
@@ -278,9 +279,16 @@ class TrainingMonitor:
         # that follows (on a laptop it can take longer than a short run's training): say so
         last = "; evaluating the validation and test splits next" if (
             step >= self.total_steps) else ""
+        # once, under the first line of a run of several ranks: whose numbers these are
+        ranks = len(per_rank)
+        together = "both ranks" if ranks == 2 else f"all {ranks} ranks"
+        legend = (f"\n  (these lines: loss, the mean of the {ranks} ranks; tokens/s and MFU, "
+                  f"{together} together; mem, the largest rank's)"
+                  if ranks > 1 and not self.legend_said else "")
+        self.legend_said = True
         return (f"step {step}/{self.total_steps} ({percent:.0f}%) loss {loss_value:.4f} {rate} "
                 f"mem {max(mem) / 2**30:.2f} GiB (peak {max(peak) / 2**30:.2f}) "
-                f"ETA {format_duration(eta)}{last}")
+                f"ETA {format_duration(eta)}{last}{legend}")
 
     def _memory(self) -> tuple[float, float]:
         """(bytes in use now, peak bytes) of this rank: the GPU's tensors, or on a CPU the
