@@ -18,7 +18,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, queue, args, device_type, visible_gpus):
+# settings a process reads as it starts (or as torch is imported): a rank forked from a server
+# started under other ones would not honour them
+AT_START = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA_")
+_server_settings: dict | None = None
+
+
+def _context(device: str):
+    """Fresh processes for the ranks. On the CPU they fork from a server that imported torch
+    once (a spawned process imports it again: seconds per rank), unless a test changed a
+    setting read at start since the server started; the GPU suite spawns, so that no process
+    inherits anything of CUDA's."""
+    global _server_settings
+    settings = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
+    if _server_settings is None:
+        _server_settings = settings
+    if device == "cuda" or settings != _server_settings:
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
+                                "torch.distributed.tensor", "torch.distributed.pipelining",
+                                "model", "distributed"])
+    return ctx
+
+
+def _worker(fn, rank, world_size, port, queue, args, device_type, visible_gpus, environ):
+    os.environ.clear()  # the test's environment now (a forked rank has the server's)
+    os.environ.update(environ)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
@@ -57,11 +83,11 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 180, device: st
     if device == "cuda":
         from conftest import restore_host_gpus
         visible = restore_host_gpus(dict(os.environ)).get("CUDA_VISIBLE_DEVICES")
-    ctx = mp.get_context("spawn")
+    ctx = _context(device)
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, queue, args, device,
-                                               visible))
+                                               visible, dict(os.environ)))
              for r in range(world_size)]
     for p in procs:
         p.start()

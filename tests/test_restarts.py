@@ -28,7 +28,7 @@ RUN = [*COMMON, "--batch-size", 4, "--max-steps", 10, "--checkpoint-every", 3]
 TIMEOUT = 120  # seconds, for every multi-process run
 FAULTS = ROOT / "tests" / "faults"  # sitecustomize.py: KILL_AT_STEP / KILL_RANK
 
-pytestmark = [pytest.mark.slow, pytest.mark.warm_start]  # real processes, forked warm: tests/warm_launch.py
+pytestmark = pytest.mark.slow  # real processes (started as torchrun does: the kill test compares with a torchrun run bit for bit)
 
 
 def last_error_line(proc) -> str:
