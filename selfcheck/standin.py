@@ -127,7 +127,7 @@ def install(probe) -> None:
     gpu = probe.record["gpu"] = {
         "device_index": local_rank, "timeline": [], "ddp": [], "adamw": [], "autocast": [], "autocast_asked": [],
         "precision": [], "profiler": {"activities": [], "started": 0, "steps": 0, "stopped": 0},
-        "nvtx": [], "offload": [], "meshes": [], "cuda_calls": {}}
+        "nvtx": [], "nvtx_open": 0, "offload": [], "meshes": [], "cuda_calls": {}}
     timeline = gpu["timeline"]
 
     def from_script(depth: int = 1) -> int | None:
@@ -225,9 +225,16 @@ def install(probe) -> None:
             return False
 
     nvtx.range = lambda msg, *a, **k: _Range(msg)
-    nvtx.range_push = lambda msg, *a, **k: (gpu["nvtx"].append(str(msg)[:80])
-                                            if len(gpu["nvtx"]) < 200 else None) or 0
-    nvtx.range_pop = lambda *a, **k: 0
+    def range_push(msg, *a, **k):
+        gpu["nvtx_open"] += 1  # (a range pushed and never popped stays open to the end)
+        gpu["nvtx"].append(str(msg)[:80]) if len(gpu["nvtx"]) < 200 else None
+        return gpu["nvtx_open"] - 1  # the depth it starts at, as NVTX returns it
+
+    def range_pop(*a, **k):
+        gpu["nvtx_open"] = max(gpu["nvtx_open"] - 1, 0)
+        return gpu["nvtx_open"]
+
+    nvtx.range_push, nvtx.range_pop = range_push, range_pop
     nvtx.mark = lambda msg, *a, **k: None
 
     # -- the clock, as the script reads it

@@ -899,6 +899,9 @@ MISTAKES = [
     ("perf", PERF, "no NVTX range on a GPU", 44,
      [('    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n',
        "")]),
+    ("perf", PERF, "NVTX ranges pushed and never popped", 44,
+     [("        ranges.enter_context(torch.cuda.nvtx.range(name))\n",
+       "        torch.cuda.nvtx.range_push(name)\n")]),
     ("perf", PERF, "NVTX instead of record_function on a GPU", 44,
      [("    ranges.enter_context(record_function(name))\n"
        '    if device.type == "cuda":\n        ranges.enter_context(torch.cuda.nvtx.range(name))\n',
@@ -1456,6 +1459,7 @@ MESSAGES = {
     "sequences counted, not tokens": ("x.numel()", "len(x)"),
     "the interval's clock restarted inside every step": ("not inside the step",),
     "the peak printed in GFLOP/s under TFLOP/s": ("1000 x what peak_flops returns",),
+    "NVTX ranges pushed and never popped": ("range_pop()", "torch.cuda.nvtx.range(name)"),
     "gpu_busy in microseconds": ("divide by 1e3",),
     "gpu_busy's two numbers swapped": ("swapped",),
     "gpu_busy divides by PROFILE_ACTIVE, not the steps counted": ("its count",),
@@ -2023,6 +2027,10 @@ CORRECT = [
     ("perf", PERF, "the peak said in GFLOP/s",
      [('print0(f"MFU against {peak / 1e12:.3g} TFLOP/s per device ({peak_source})")',
        'print0(f"MFU divides by {peak / 1e9:.1f} GFLOP/s per device ({peak_source})")')]),
+    ("perf", PERF, "NVTX ranges pushed, and popped when the phase ends",
+     [("        ranges.enter_context(torch.cuda.nvtx.range(name))\n",
+       "        torch.cuda.nvtx.range_push(name)\n"
+       "        ranges.callback(torch.cuda.nvtx.range_pop)\n")]),
     ("perf", PERF, "FLOPs per token of all parameters less the two embedding tables, by hand",
      [("flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,",
        "flops_per_token(model.num_params() - model.tok_emb.weight.numel()\n"

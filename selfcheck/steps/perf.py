@@ -943,6 +943,12 @@ def check_on_a_gpu(ctx, run, gpu, profiling) -> None:
         elif missing:
             rep.fail(44, f"on a GPU the NVTX ranges ({', '.join(sorted(nvtx))}) leave out "
                      f"{', '.join(missing)}: the same ranges as record_function's")
+        elif seen.get("nvtx_open"):
+            rep.fail(44, f"on a GPU {seen['nvtx_open']} NVTX ranges are still open when the "
+                     "run ends: torch.cuda.nvtx.range_push(name) without range_pop() nests "
+                     "every later range inside it (Nsight Systems shows one ever deeper stack); "
+                     "open it as the context manager torch.cuda.nvtx.range(name), which closes "
+                     "it with the phase")
         elif traces and not any(any(w in n.lower() for ws in PHASES.values() for w in ws)
                                 for n in names):
             rep.fail(44, "on a GPU the profiler's trace has no named range: record_function("
