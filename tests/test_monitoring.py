@@ -111,6 +111,8 @@ def test_every_script_logs_every_metric_to_tensorboard(runs, name):
     assert logged["ranks/slowest_s"][-1][1] >= logged["ranks/fastest_s"][-1][1] > 0
     summary = read_summary(out)
     assert logged["final/test_loss"][-1][1] == pytest.approx(summary["test_loss"], rel=1e-6)
+    # a run of several ranks says once whose numbers the log lines show
+    assert stdout.count("  (these lines: loss, the mean of the") == (ranks > 1), stdout[-2000:]
     # the log line: progress, loss, tokens/s, MFU, memory and time left
     line = [l for l in stdout.splitlines() if l.startswith("epoch 0 step 3/3 (100%) loss ")]
     assert len(line) == 1, stdout[-2000:]

@@ -131,6 +131,11 @@ def default_out_dir(script: str) -> str:
     return str(Path("runs") / (Path(script).stem + (f"-{job}" if job else "")))
 
 
+# the flags base_parser(trains=False) accepts without listing them in --help
+UNUSED_WITHOUT_TRAINING = {"num_workers", "dropout", "epochs", "max_steps", "batch_size", "lr",
+                           "weight_decay", "precision", "compile", "logger", "log_every"}
+
+
 def base_parser(script: str, description: str | None,
                 trains: bool = True) -> argparse.ArgumentParser:
     """The flags every script shares. With trains=False (a lesson that trains nothing: the
@@ -197,7 +202,3 @@ def base_parser(script: str, description: str | None,
                                "results (without it, the lesson refuses to)")
     return p
 
-
-# the flags base_parser(trains=False) accepts without listing them in --help
-UNUSED_WITHOUT_TRAINING = {"num_workers", "dropout", "epochs", "max_steps", "batch_size", "lr",
-                           "weight_decay", "precision", "compile", "logger", "log_every"}
