@@ -633,6 +633,96 @@ MISTAKES = [
     ("tp", TP, "the training loss summed over the replicas", 31,
      [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
        "step_loss = all_reduce_sum(loss.detach(), dp_group)")]),
+    # The check's second run, two nodes of one process (tp 1, dp 2), stops where the first
+    # does not: a FIX under the TODO of its line, saying which run it was
+    ("tp", TP, "apply_tp leaves tp 1 whole, and the loss's full_tensor() stops the run on two "
+     "nodes", 30,
+     [("    for block in model.layers.values():\n        parallelize_module(",
+       "    if tp_mesh.size() == 1:  # nothing to split\n        return model\n"
+       "    for block in model.layers.values():\n        parallelize_module(")]),
+    ("tp", TP, "apply_tp leaves tp 1 whole, and evaluate's full_tensor() stops the run on two "
+     "nodes", 33,
+     [("    for block in model.layers.values():\n        parallelize_module(",
+       "    if tp_mesh.size() == 1:  # nothing to split\n        return model\n"
+       "    for block in model.layers.values():\n        parallelize_module("),
+      ("            loss = loss.full_tensor()\n",
+       "            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss\n")]),
+    ("tp", TP, "apply_tp leaves tp 1 whole, evaluate stops on two nodes, and the training loss "
+     "not averaged", 31,
+     [("    for block in model.layers.values():\n        parallelize_module(",
+       "    if tp_mesh.size() == 1:  # nothing to split\n        return model\n"
+       "    for block in model.layers.values():\n        parallelize_module("),
+      ("            loss = loss.full_tensor()\n",
+       "            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss\n"),
+      ("step_loss = all_reduce_mean(loss.detach(), group=dp_group)", "step_loss = loss.detach()")]),
+    ("tp", TP, "apply_tp leaves tp 1 whole (two nodes stop in training), and evaluate's loss sum "
+     "kept a DTensor", 30,
+     [("    for block in model.layers.values():\n        parallelize_module(",
+       "    if tp_mesh.size() == 1:  # nothing to split\n        return model\n"
+       "    for block in model.layers.values():\n        parallelize_module("),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    # only dp 2 shows these: each replica's own loss, a mean of the replicas' means
+    ("tp", TP, "the training loss not averaged (each replica logs its own)", 31,
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)", "step_loss = loss.detach()")]),
+    ("tp", TP, "evaluate returns the mean of the replicas' means", 33,
+     [("    loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)\n"
+       "    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n"
+       "    model.train()\n    return (loss_sum / tokens).item()",
+       "    model.reshard()  # FSDP frees the root's gathered weights after backward; evaluation has none\n"
+       "    model.train()\n    return all_reduce_mean(loss_sum / tokens, dp_group).item()")]),
+    # more training mistakes with evaluate() stopping the run: each its own TODO's FIX
+    ("tp", TP, "local_params from the DTensors' global sizes, and evaluate's loss sum kept a "
+     "DTensor", 28,
+     [("local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())",
+       "local_params = sum(p.numel() for p in model.parameters())"),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "FSDP on the root only, and evaluate's loss sum kept a DTensor", 29,
+     [('    for block in model.layers.values():\n        fully_shard(block, mesh=mesh["dp"])\n', ""),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "dp_group from the tp dim, and evaluate's loss sum kept a DTensor", 26,
+     [('dp_group = mesh["dp"].get_group()', 'dp_group = mesh["tp"].get_group()'),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "the loss averaged over all processes, and evaluate's loss sum kept a DTensor", 31,
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       "step_loss = all_reduce_mean(loss.detach())"),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "evaluation samplers of one replica, and evaluate's loss sum kept a DTensor", 27,
+     [("val_sampler = DistributedEvalSampler(val_ds, num_replicas=dp_size, rank=dp_rank)",
+       "val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=0)"),
+      ("test_sampler = DistributedEvalSampler(test_ds, num_replicas=dp_size, rank=dp_rank)",
+       "test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)"),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    # a plan mistake that trains (the embedding whole) has no part in evaluate()'s crash
+    ("tp", TP, "the embedding not split, and evaluate's loss sum kept a DTensor", 33,
+     [('        "tok_emb": RowwiseParallel(input_layouts=Replicate()),\n', ""),
+      ("ignore_index=IGNORE_INDEX).full_tensor()", "ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "evaluate given the dp sub-mesh instead of its group", 33,
+     [("val_loss = evaluate(model, val_loader, device, dp_group)",
+       'val_loss = evaluate(model, val_loader, device, mesh["dp"])'),
+      ("test_loss = evaluate(model, test_loader, device, dp_group)",
+       'test_loss = evaluate(model, test_loader, device, mesh["dp"])')]),
+    ("tp", TP, "FSDP on the root only, and evaluate given the dp sub-mesh", 29,
+     [("val_loss = evaluate(model, val_loader, device, dp_group)",
+       'val_loss = evaluate(model, val_loader, device, mesh["dp"])'),
+      ('    for block in model.layers.values():\n        fully_shard(block, mesh=mesh["dp"])\n', "")]),
+    ("tp", TP, "evaluate's loss on the local logits (to_local())", 33,
+     [("        with loss_parallel():\n            loss_sum += F.cross_entropy(logits.flatten(0, 1), "
+       "y.flatten(), reduction=\"sum\",\n                                        "
+       "ignore_index=IGNORE_INDEX).full_tensor()",
+       "        loss_sum += F.cross_entropy(logits.to_local().flatten(0, 1), y.flatten(), "
+       "reduction=\"sum\",\n                                    ignore_index=IGNORE_INDEX)")]),
+    ("tp", TP, "tokens of one replica, and evaluate's loss on the local logits", 31,
+     [("        with loss_parallel():\n            loss_sum += F.cross_entropy(logits.flatten(0, 1), "
+       "y.flatten(), reduction=\"sum\",\n                                        "
+       "ignore_index=IGNORE_INDEX).full_tensor()",
+       "        loss_sum += F.cross_entropy(logits.to_local().flatten(0, 1), y.flatten(), "
+       "reduction=\"sum\",\n                                    ignore_index=IGNORE_INDEX)"),
+      ("throughput.step(x.numel() * dp_size)", "throughput.step(x.numel())")]),
+    ("tp", TP, "check_tp_degree after the mesh is built", 26,
+     [("    check_tp_degree(args.tp, world_size, cfg)\n", ""),
+      ('    dp_group = mesh["dp"].get_group()\n',
+       '    dp_group = mesh["dp"].get_group()\n    check_tp_degree(args.tp, world_size, cfg)\n')]),
     # ---- PP ----------------------------------------------------------------------------
     ("pp", PP, "every stage keeps the final norm", 34,
      [("        model.norm = model.output = None", "        model.output = None")]),
@@ -1504,6 +1594,32 @@ MESSAGES = {
     "the training loss summed over the replicas, and evaluate's loss sum kept a DTensor": (
         "twice the mean",),
     "the training loss summed over the replicas": ("twice the mean",),
+    "apply_tp leaves tp 1 whole, and the loss's full_tensor() stops the run on two nodes": (
+        "on two nodes (tp 1, dp 2)", "for tp 1 as well"),
+    "apply_tp leaves tp 1 whole, and evaluate's full_tensor() stops the run on two nodes": (
+        "on two nodes (tp 1, dp 2)", "in evaluate", "for tp 1 as well"),
+    "apply_tp leaves tp 1 whole, evaluate stops on two nodes, and the training loss not "
+    "averaged": ("all_reduce_mean(loss.detach(), group=dp_group)",),
+    "apply_tp leaves tp 1 whole (two nodes stop in training), and evaluate's loss sum kept a "
+    "DTensor": ("on two nodes (tp 1, dp 2)", "for tp 1 as well"),
+    "the training loss not averaged (each replica logs its own)": (
+        "all_reduce_mean(loss.detach(), group=dp_group)",),
+    "evaluate returns the mean of the replicas' means": ("all_reduce_sum(t, dp_group)",),
+    "local_params from the DTensors' global sizes, and evaluate's loss sum kept a DTensor": (
+        "p.to_local().numel()",),
+    "FSDP on the root only, and evaluate's loss sum kept a DTensor": ("fully_shard every block",),
+    "dp_group from the tp dim, and evaluate's loss sum kept a DTensor": (
+        "mesh['dp'].get_group()",),
+    "the loss averaged over all processes, and evaluate's loss sum kept a DTensor": (
+        "group=dp_group",),
+    "evaluation samplers of one replica, and evaluate's loss sum kept a DTensor": (
+        "on two nodes (tp 1, dp 2)", "num_replicas=dp_size, rank=dp_rank"),
+    "the embedding not split, and evaluate's loss sum kept a DTensor": (".full_tensor()",),
+    "evaluate given the dp sub-mesh instead of its group": ("mesh['dp'].get_group()",),
+    "evaluate's loss on the local logits (to_local())": ("inside loss_parallel()",),
+    "tokens of one replica, and evaluate's loss on the local logits": (
+        "on two nodes (tp 1, dp 2) throughput.step", "x.numel() * dp_size"),
+    "check_tp_degree after the mesh is built": ("check_tp_degree(args.tp, world_size, cfg)",),
     "bash -c's $0 left out (the script taken as $0)": ("as $0", "torchrun \"$SCRIPT\""),
     "FSDP over the whole 2-D mesh": ("mesh=mesh['dp']",),
     "a CUDA mesh written in": ("init_device_mesh(device.type",),
@@ -1782,6 +1898,26 @@ ONLY_FIXED = {
     "tokens of one replica, and evaluate's loss sum kept a DTensor": {31, 33},
     "the training loss summed over the replicas, and evaluate's loss sum kept a DTensor": {31, 33},
     "the training loss summed over the replicas": {31},
+    "apply_tp leaves tp 1 whole, and the loss's full_tensor() stops the run on two nodes": {30},
+    "apply_tp leaves tp 1 whole, and evaluate's full_tensor() stops the run on two nodes": {33},
+    "apply_tp leaves tp 1 whole, evaluate stops on two nodes, and the training loss not "
+    "averaged": {31, 33},
+    "apply_tp leaves tp 1 whole (two nodes stop in training), and evaluate's loss sum kept a "
+    "DTensor": {30, 33},
+    "the training loss not averaged (each replica logs its own)": {31},
+    "evaluate returns the mean of the replicas' means": {33},
+    "local_params from the DTensors' global sizes, and evaluate's loss sum kept a DTensor": {
+        28, 33},
+    "FSDP on the root only, and evaluate's loss sum kept a DTensor": {29, 33},
+    "dp_group from the tp dim, and evaluate's loss sum kept a DTensor": {26, 33},
+    "the loss averaged over all processes, and evaluate's loss sum kept a DTensor": {31, 33},
+    "evaluation samplers of one replica, and evaluate's loss sum kept a DTensor": {27, 33},
+    "the embedding not split, and evaluate's loss sum kept a DTensor": {24, 33},
+    "evaluate given the dp sub-mesh instead of its group": {33},
+    "FSDP on the root only, and evaluate given the dp sub-mesh": {29, 33},
+    "evaluate's loss on the local logits (to_local())": {33},
+    "tokens of one replica, and evaluate's loss on the local logits": {31, 33},
+    "check_tp_degree after the mesh is built": {26},
     "a mesh without dim names": {26},
     "FSDP over the whole 2-D mesh": {29},
     "a vocabulary that is a multiple padded by one more": {60},
@@ -1986,6 +2122,117 @@ CORRECT = [
      [("from torch.distributed.tensor import Replicate\n", ""),
       ("from torch.distributed.tensor import DTensor\n",
        "from torch.distributed.tensor import DTensor, Replicate\n")]),
+    ("tp", TP, "dp_rank and dp_size asked from the whole mesh by name and index",
+     [('dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()',
+       'dp_rank, dp_size = mesh.get_local_rank("dp"), mesh.size(0)')]),
+    ("tp", TP, "dp_rank and dp_size by arithmetic (tp the inner dim)",
+     [('dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()',
+       "dp_rank, dp_size = rank // args.tp, world_size // args.tp")]),
+    ("tp", TP, "the mesh built with keywords, its sub-meshes named once",
+     [('    mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),\n'
+       '                            mesh_dim_names=("dp", "tp"))\n'
+       '    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()\n'
+       '    dp_group = mesh["dp"].get_group()\n',
+       '    mesh = init_device_mesh(device_type=device.type,\n'
+       '                            mesh_shape=(world_size // args.tp, args.tp),\n'
+       '                            mesh_dim_names=("dp", "tp"))\n'
+       '    dp_mesh, tp_mesh = mesh["dp"], mesh["tp"]\n'
+       '    dp_rank, dp_size = dp_mesh.get_local_rank(), dp_mesh.size()\n'
+       '    dp_group = dp_mesh.get_group()\n'),
+      ('model = apply_tp(model, mesh["tp"])', "model = apply_tp(model, tp_mesh)"),
+      ('fully_shard(block, mesh=mesh["dp"])', "fully_shard(block, mesh=dp_mesh)"),
+      ('fully_shard(model, mesh=mesh["dp"])', "fully_shard(model, mesh=dp_mesh)")]),
+    ("tp", TP, "the TP plan as one dict of wildcard names on the model",
+     [('    for block in model.layers.values():\n        parallelize_module(block, tp_mesh, {\n'
+       '            "attn.q_proj": ColwiseParallel(),   # each rank: n_heads / tp whole heads\n'
+       '            "attn.k_proj": ColwiseParallel(),   # (the model\'s view(b, t, -1, head_dim)\n'
+       '            "attn.v_proj": ColwiseParallel(),   #  finds the local head count by itself)\n'
+       '            "attn.out_proj": RowwiseParallel(),\n'
+       '            "mlp.in_proj": ColwiseParallel(),   # each rank: d_ff / tp hidden units\n'
+       '            "mlp.out_proj": RowwiseParallel(),\n        })\n'
+       '    parallelize_module(model, tp_mesh, {\n',
+       '    parallelize_module(model, tp_mesh, {\n'
+       '        "layers.*.attn.q_proj": ColwiseParallel(),\n'
+       '        "layers.*.attn.k_proj": ColwiseParallel(),\n'
+       '        "layers.*.attn.v_proj": ColwiseParallel(),\n'
+       '        "layers.*.attn.out_proj": RowwiseParallel(),\n'
+       '        "layers.*.mlp.in_proj": ColwiseParallel(),\n'
+       '        "layers.*.mlp.out_proj": RowwiseParallel(),\n')]),
+    ("tp", TP, "the TP plan applied to attention and the MLP apart",
+     [('        parallelize_module(block, tp_mesh, {\n'
+       '            "attn.q_proj": ColwiseParallel(),   # each rank: n_heads / tp whole heads\n'
+       '            "attn.k_proj": ColwiseParallel(),   # (the model\'s view(b, t, -1, head_dim)\n'
+       '            "attn.v_proj": ColwiseParallel(),   #  finds the local head count by itself)\n'
+       '            "attn.out_proj": RowwiseParallel(),\n'
+       '            "mlp.in_proj": ColwiseParallel(),   # each rank: d_ff / tp hidden units\n'
+       '            "mlp.out_proj": RowwiseParallel(),\n        })\n',
+       '        attn_plan = {f"{n}_proj": ColwiseParallel() for n in "qkv"}\n'
+       '        attn_plan["out_proj"] = RowwiseParallel()\n'
+       '        parallelize_module(block.attn, tp_mesh, attn_plan)\n'
+       '        parallelize_module(block.mlp, tp_mesh, {"in_proj": ColwiseParallel(),\n'
+       '                                                "out_proj": RowwiseParallel()})\n')]),
+    ("tp", TP, "zero_grad before loss_parallel, the loss's full_tensor() inside it",
+     [("            with loss_parallel():\n"
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                optimizer.zero_grad(set_to_none=True)\n"
+       "                loss.backward()\n"
+       "            loss = loss.full_tensor()\n",
+       "            optimizer.zero_grad(set_to_none=True)\n"
+       "            with loss_parallel():\n"
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                loss.backward()\n"
+       "                loss = loss.full_tensor()\n")]),
+    ("tp", TP, "the loss's value by to_local() (it is replicated)",
+     [("            loss = loss.full_tensor()\n", "            loss = loss.to_local()\n")]),
+    ("tp", TP, "evaluation sums reduced in one stacked all_reduce_sum",
+     [("    loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)\n",
+       "    loss_sum, tokens = all_reduce_sum(torch.stack([loss_sum, tokens]), dp_group)\n")]),
+    ("tp", TP, "evaluation sums reduced in place with dist.all_reduce on the dp group",
+     [("    loss_sum, tokens = all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)\n",
+       "    torch.distributed.all_reduce(loss_sum, group=dp_group)\n"
+       "    torch.distributed.all_reduce(tokens, group=dp_group)\n")]),
+    ("tp", TP, "save_full_model given its path as a string, by keyword",
+     [('            save_full_model(model, out_dir / "best_model.pt")',
+       '            save_full_model(model, path=str(out_dir / "best_model.pt"))'),
+      ('    save_full_model(model, out_dir / "final_model.pt")',
+       '    save_full_model(model, os.path.join(args.out_dir, "final_model.pt"))')]),
+    ("tp", TP, "evaluate's forward inside loss_parallel too",
+     [("        logits = model(x)\n        # DONE 33: loss_parallel, full_tensor()\n"
+       "        with loss_parallel():\n",
+       "        # DONE 33: loss_parallel, full_tensor()\n"
+       "        with loss_parallel():\n            logits = model(x)\n")]),
+    ("tp", TP, "--tp's default by os.getenv",
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       'default=int(os.getenv("LOCAL_WORLD_SIZE", "1")),')]),
+    # tp 1 left whole is fine where the loss is taken whole only of a DTensor (the check's
+    # two-node run has tp 1)
+    ("tp", TP, "apply_tp leaves tp 1 whole, the losses taken whole only of a DTensor",
+     [("    for block in model.layers.values():\n        parallelize_module(",
+       "    if tp_mesh.size() == 1:  # nothing to split\n        return model\n"
+       "    for block in model.layers.values():\n        parallelize_module("),
+      ("            loss = loss.full_tensor()\n",
+       "            loss = loss.full_tensor() if isinstance(loss, DTensor) else loss\n"),
+      ("        with loss_parallel():\n            loss_sum += F.cross_entropy(logits.flatten(0, 1), "
+       "y.flatten(), reduction=\"sum\",\n                                        "
+       "ignore_index=IGNORE_INDEX).full_tensor()",
+       "        with loss_parallel():\n            loss = F.cross_entropy(logits.flatten(0, 1), "
+       "y.flatten(), reduction=\"sum\",\n                                   "
+       "ignore_index=IGNORE_INDEX)\n"
+       "        loss_sum += loss.full_tensor() if isinstance(loss, DTensor) else loss")]),
+    ("tp", TP, "evaluate's group as a keyword parameter",
+     [("def evaluate(model, loader, device, dp_group):",
+       "def evaluate(model, loader, device, group=None):"),
+      ("all_reduce_sum(loss_sum, dp_group), all_reduce_sum(tokens, dp_group)",
+       "all_reduce_sum(loss_sum, group), all_reduce_sum(tokens, group)"),
+      ("val_loss = evaluate(model, val_loader, device, dp_group)",
+       "val_loss = evaluate(model, val_loader, device, group=dp_group)"),
+      ("test_loss = evaluate(model, test_loader, device, dp_group)",
+       "test_loss = evaluate(model, test_loader, device, group=dp_group)")]),
+    ("tp", TP, "the training loss summed over dp_group, then divided by dp_size",
+     [("step_loss = all_reduce_mean(loss.detach(), group=dp_group)",
+       "step_loss = all_reduce_sum(loss.detach(), dp_group) / dp_size")]),
+    ("tp", TP, "the tokens of a step as world_size // args.tp batches",
+     [("throughput.step(x.numel() * dp_size)", "throughput.step(x.numel() * world_size // args.tp)")]),
     ("pp", PP, "the stage split by explicit counts",
      [("    owned = stage_layers(len(model.layers), num_stages, layers_per_stage)[stage_index]",
        "    per = len(model.layers) // num_stages\n"

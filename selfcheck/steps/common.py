@@ -110,6 +110,10 @@ KNOWN_CAUSES = [
     (r"mixed torch\.Tensor and DTensor|\(raised in torch/distributed/tensor/",
      "a plain tensor met a DTensor: the loss over split logits needs loss_parallel(), and a "
      "DTensor result needs .full_tensor() before plain tensor code uses it"),
+    (r"Process group DeviceMesh\(|'DeviceMesh' object has no attribute '(bound_device_id|"
+     r"group_name|_get_backend_name)'",
+     "a device mesh went where a process group goes (all_reduce_sum(t, group), "
+     "evaluate(..., dp_group)): a mesh dim's process group is mesh['dp'].get_group(), dp_group"),
     (r"save0 got sharded",
      "no rank holds the whole model any more: save_full_model, called on every rank, gathers "
      "it into one file (or a DCP save writes every rank's shards)"),
@@ -714,8 +718,9 @@ def ratio_hint(mine: float, theirs: float, twice: str) -> str:
     return ""
 
 
-def check_tokens(ctx, run, todo, tokens_per_step, how) -> None:
-    """Throughput.step gets the tokens of the whole step over all replicas."""
+def check_tokens(ctx, run, todo, tokens_per_step, how, prefix: str = "") -> None:
+    """Throughput.step gets the tokens of the whole step over all replicas. prefix: which run
+    it was ("on two nodes (tp 1, dp 2) "), for a step that runs several."""
     counts = set(run.ranks[0].get("tokens", []))
     if not counts:
         return
@@ -724,8 +729,8 @@ def check_tokens(ctx, run, todo, tokens_per_step, how) -> None:
     else:
         got = max(counts)
         factor = f" ({got / tokens_per_step:g} x)" if tokens_per_step else ""
-        ctx.report.fail(todo, f"throughput.step gets {got} tokens per step, the step trains on "
-                        f"{tokens_per_step}{factor}: {how}")
+        ctx.report.fail(todo, f"{prefix}throughput.step gets {got} tokens per step, the step "
+                        f"trains on {tokens_per_step}{factor}: {how}")
 
 
 def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how="") -> None:

@@ -67,8 +67,10 @@ def check(ctx) -> None:
             # what the ranks read and count follows from the mesh (TODO 26's FIX says why)
             for todo in (27, 31, 32, 33):
                 rep.waits(todo, "it follows from the mesh (fix TODO 26 above first)")
-        elif rep.failed(24) and crash_todo(ctx, run.failure) != 23:
+        elif rep.failed(24) and crash_todo(ctx, run.failure) != 23 and \
+                not stopped_in_evaluation(run):
             # a wrong plan gives the layers shapes that do not fit: its crash is no new FIX
+            # (a plan that trained, the embedding left whole, has no part in evaluate()'s crash)
             report_crash(ctx, run, todo=24, cause=usual_cause(run.failure.message)
                          or "what the plan above does to the shapes (fix the plan first)")
         elif "does not have a sharding strategy" in run.failure.message and \
@@ -77,6 +79,10 @@ def check(ctx) -> None:
             report_crash(ctx, run, todo=30, cause="the loss computed under loss_parallel() is a "
                          "DTensor: take it as a plain tensor, loss = loss.full_tensor(), before "
                          "all_reduce_mean and the loss history")
+        elif re.search(r"Target -?\d+ is out of bounds", run.failure.message):
+            report_crash(ctx, run, cause="the loss got a rank's slice of the vocabulary only "
+                         "(the logits' to_local()?), where targets name any word: compute it on "
+                         "the split DTensor logits inside loss_parallel(), then .full_tensor()")
         elif not (lost := report_lost_import(ctx, run)):
             report_crash(ctx, run)
         rep.note(f"(full output: {run.dir / 'output.txt'})")
@@ -84,7 +90,7 @@ def check(ctx) -> None:
         if lost and lost[1] == 23 and rep.judged(23) and not rep.failed(23):
             rep.verdicts[23] = [("ok", f"the step's new names are imported; {lost[0]}'s import "
                                  f"went too early (TODO {lost[2]}'s line says why)")]
-        if mesh != "wrong" and not rep.failed(24) and stopped_in_evaluation(run):
+        if mesh != "wrong" and stopped_in_evaluation(run):
             check_training_before_evaluation(ctx, run, ref, nodes, mesh)
         return
     check_imports(ctx, 23, run)
@@ -190,6 +196,7 @@ def check_training_before_evaluation(ctx, run, ref, nodes, mesh) -> None:
         check_eval_samplers(ctx, run, dp, lambda r: r // tp)
     check_fsdp(ctx, run)
     if r0.get("tp", {}).get("split"):
+        check_local_params(ctx, run)
         check_loss_parallel(ctx, run)
         if shards_right:
             check_logged_losses(ctx, run, ref, 31)
@@ -241,6 +248,8 @@ def check_eval_samplers(ctx, run, replicas, replica_of, where="") -> None:
 
 
 TWICE = ": twice the mean, a sum over 2 replicas? (all_reduce_mean, not all_reduce_sum)"
+REDUCTIONS = ("all_reduce_mean", "all_reduce_sum", "dist.all_reduce")
+NODES = "on two nodes (tp 1, dp 2) "  # (the FIX lines of the second run begin so)
 
 
 def check_logged_losses(ctx, run, ref, todo, what="the logged training losses") -> bool | None:
@@ -290,8 +299,16 @@ def check_loss_parallel(ctx, run) -> None:
 
 
 def check_local_params(ctx, run) -> None:
-    """TODO 28: the parameters a rank reports holding are its shards, not the whole model."""
+    """TODO 28: the parameters a rank reports holding are its shards, not the whole model. From
+    summary.json, or for a run that stopped before it (in evaluate()), from the script's
+    local_params as the first training step saw it."""
     given = (run.summary or {}).get("params_per_rank")
+    if run.summary is None:
+        given = ((run.ranks[0] or {}).get("step_locals") or {}).get("local_params")
+        if given is None:
+            ctx.report.waits(28, "the parameters per rank (local_params) are checked in "
+                             "summary.json once evaluate() runs through")
+            return
     desc = (run.ranks[0] or {}).get("tp") or {}
     whole, mine = desc.get("numel"), desc.get("tp_local_numel")
     if not isinstance(given, (int, float)) or not whole or not mine or \
@@ -309,10 +326,9 @@ def check_reduction_groups(ctx, run, dp) -> None:
     all ranks the number comes out the same, since the ranks of a TP group hold the same
     values: communication for nothing, and it only shows in which group each call used.)"""
     rep = ctx.report
-    names = ("all_reduce_mean", "all_reduce_sum", "dist.all_reduce")
     for todo, func, what in ((31, "main", "the training loss is"),
                              (33, "evaluate", "the evaluation's loss sum and token count are")):
-        wide = [c for name in names for c in calls(run, name, rank=0)
+        wide = [c for name in REDUCTIONS for c in calls(run, name, rank=0)
                 if c["func"] == func and c["direct"] and c.get("group_size") not in (None, dp)]
         if wide and not rep.failed(todo):
             rep.fail(todo, f"{what} reduced over a group of {wide[0]['group_size']} "
@@ -326,12 +342,18 @@ def check_reduction_groups(ctx, run, dp) -> None:
 def check_replicas(ctx, nodes, ref) -> None:
     """On two nodes with one process each (tp 1, dp 2): the loss averaged and the evaluation
     added up over the two replicas, as one process on the whole batch. A run that stopped
-    inside evaluate() shows its training only."""
+    inside evaluate() shows its training only, and its stop is TODO 33's FIX; one that stopped
+    elsewhere (where the run above did not) is the FIX of the TODO of its line."""
     rep = ctx.report
     evaluated = not nodes.crashed and nodes.summary
-    if not (evaluated or stopped_in_evaluation(nodes)):
-        return
+    in_evaluation = nodes.crashed and stopped_in_evaluation(nodes)
     tp = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+    if nodes.crashed and not in_evaluation:
+        if tp in (None, 1):  # (another --tp is TODO 25's FIX)
+            report_nodes_crash(ctx, nodes)
+        return
+    if not (evaluated or in_evaluation):
+        return
     if tp != 1 or evaluated and rep.failed(31) and rep.failed(33):
         return
     # dp 2 shows what dp 1 cannot: which samples each replica reads, and the tokens of both
@@ -344,25 +366,55 @@ def check_replicas(ctx, nodes, ref) -> None:
             check_eval_reads(ctx, nodes, 27, replicas=2, replica_of=lambda r: r,
                              made_is_attempt=False, split=split)
     else:  # (what it read of the split is partial)
-        check_eval_samplers(ctx, nodes, 2, lambda r: r, where="on two nodes (tp 1, dp 2) ")
+        check_eval_samplers(ctx, nodes, 2, lambda r: r, where=NODES)
     check_tokens(ctx, nodes, 31, BATCH * SEQ_LEN, "throughput.step(x.numel() * dp_size): "
-                 "each replica trains on its own batch")
+                 "each replica trains on its own batch", prefix=NODES)
     for todo, before in said.items():
         rep.verdicts[todo] = rep.verdicts[todo][:before] + [
             v for v in rep.verdicts[todo][before:] if v[0] != "ok"]
+    if in_evaluation:  # (after what it trained is judged: the crash is TODO 33's alone)
+        report_nodes_crash(ctx, nodes, default_todo=33)
     if rep.failed(27):
         return  # the replicas read other data than one process: nothing to compare yet
     if not rep.failed(31):
         before = len(rep.verdicts.get(31, []))
         compare = check_losses if evaluated else check_logged_losses
-        if compare(ctx, nodes, ref, 31, "on two nodes (tp 1, dp 2) the logged losses"):
+        if compare(ctx, nodes, ref, 31, NODES + "the logged losses"):
             del rep.verdicts[31][before:]  # (said once, for the run above)
+        elif not reduces_loss(nodes) and rep.verdicts[31][-1][0] == "FIX":
+            kind, text = rep.verdicts[31][-1]
+            rep.verdicts[31][-1] = (kind, text + ": each replica logs the loss of its own "
+                                    "batch; average it over the replicas, step_loss = "
+                                    "all_reduce_mean(loss.detach(), group=dp_group)")
     if evaluated and not rep.failed(33):
         before = len(rep.verdicts.get(33, []))
-        if check_eval_exact(ctx, nodes, 33, "on two nodes (tp 1, dp 2) the replicas evaluated "
+        if check_eval_exact(ctx, nodes, 33, NODES + "the replicas evaluated "
                             "different samples: add up loss_sum and tokens over dp_group, "
                             "all_reduce_sum(t, dp_group)"):
             del rep.verdicts[33][before:]
+
+
+def reduces_loss(run) -> bool:
+    """The script itself, on rank 0, all-reduced something outside evaluate() (the loss)."""
+    return any(c["func"] != "evaluate" and c["direct"]
+               for name in REDUCTIONS for c in calls(run, name, rank=0))
+
+
+def report_nodes_crash(ctx, nodes, default_todo=None) -> None:
+    """The run on two nodes stopped where the run on one did not: under the TODO of the line it
+    stopped at (default_todo where no TODO owns it), unless that TODO has its FIX already (the
+    crash of the run above, said once)."""
+    f = nodes.failure
+    todo = (crash_todo(ctx, f) or default_todo) if f else None
+    if f is None or todo is not None and ctx.report.failed(todo):
+        return
+    cause = None
+    if re.search(r"'Tensor' object has no attribute '(full_tensor|to_local|redistribute)'",
+                 f.message):
+        cause = ("with one process per node --tp is 1, and this is a plain tensor there, not "
+                 "a DTensor: apply_tp must split the model for tp 1 as well (a tp dim of size 1 "
+                 "splits nothing and costs nothing), or take .full_tensor() only of a DTensor")
+    report_crash(ctx, nodes, todo=todo, cause=cause, prefix=NODES)
 
 
 def check_option(ctx, run, bad, nodes) -> None:
