@@ -1192,7 +1192,8 @@ def performance_lesson(probe, module) -> None:
     recorded: a tokens/s interval that counts an evaluation then stands out from the jitter
     of a loaded machine (TODO 42), where the tiny preset's own evaluation takes milliseconds;
     and, where the check asks (CHECK_PROFILER_WINDOWS), the window profiler_window gives runs of
-    a few steps and long ones (TODO 43): the check's runs take 1 and 10 steps only."""
+    a few steps and long ones, at the script's first call of it (TODO 43): the check's runs take
+    1 and 10 steps only."""
     pause = float(os.environ.get("CHECK_EVAL_PAUSE") or 0)
     if pause and callable(getattr(module, "evaluate", None)):
         windows = probe.record.setdefault("eval_windows", [])
@@ -1211,8 +1212,14 @@ def performance_lesson(probe, module) -> None:
         probe.record["profile_window"] = window
     window_of = getattr(module, "profiler_window", None)
     if callable(window_of) and os.environ.get("CHECK_PROFILER_WINDOWS"):
-        probe.record["profiler_windows"] = profiler_windows(
-            probe, getattr(window_of, "__wrapped__", window_of))  # (not as the script's call)
+        # asked when the script first calls it, after setup: a window that says something on
+        # rank 0 only may ask the process group for its rank
+        def first_call(*a, **k):
+            module.profiler_window = window_of
+            probe.record["profiler_windows"] = profiler_windows(
+                probe, getattr(window_of, "__wrapped__", window_of))  # (not as the script's call)
+            return window_of(*a, **k)
+        module.profiler_window = functools.wraps(window_of)(first_call)
     if callable(getattr(module, "gpu_busy", None)):
         probe.record["gpu_busy"] = {
             "gpu": lesson_call(module.gpu_busy, _StandInProfiler(6.0)),
@@ -1225,8 +1232,8 @@ WINDOW_STEPS = (*range(13), 1000, 100_000)
 
 
 def profiler_windows(probe, window_of) -> dict:
-    """{steps: lesson_call(profiler_window, steps)} for WINDOW_STEPS, before main() runs. What
-    it prints is left out of the record and the output: the check reads the run's own lines."""
+    """{steps: lesson_call(profiler_window, steps)} for WINDOW_STEPS. What it prints is left
+    out of the record and the output: the check reads the run's own lines."""
     record = probe.record
     prints, calls, on_print = len(record["prints"]), len(record["calls"]), probe.on_print
     probe.on_print = None  # (the stand-in GPU's timeline)

@@ -224,7 +224,14 @@ def install(probe) -> None:
         def __exit__(self, *exc):
             return False
 
+        def __call__(self, fn):  # torch's range is a decorator too (@contextmanager's)
+            def ranged(*a, **k):
+                with _Range(self.name):
+                    return fn(*a, **k)
+            return ranged
+
     nvtx.range = lambda msg, *a, **k: _Range(msg)
+
     def range_push(msg, *a, **k):
         gpu["nvtx_open"] += 1  # (a range pushed and never popped stays open to the end)
         gpu["nvtx"].append(str(msg)[:80]) if len(gpu["nvtx"]) < 200 else None
@@ -234,7 +241,14 @@ def install(probe) -> None:
         gpu["nvtx_open"] = max(gpu["nvtx_open"] - 1, 0)
         return gpu["nvtx_open"]
 
+    # range_start / range_end: a range ended by its id (it may end on another thread); counted
+    # open like a pushed one until then
+    def range_start(msg, *a, **k):
+        range_push(msg)
+        return len(gpu["nvtx"])
+
     nvtx.range_push, nvtx.range_pop = range_push, range_pop
+    nvtx.range_start, nvtx.range_end = range_start, lambda range_id, *a, **k: range_pop()
     nvtx.mark = lambda msg, *a, **k: None
 
     # -- the clock, as the script reads it

@@ -1205,6 +1205,62 @@ MISTAKES = [
     ("perf", PERF, "the active steps without min() (a long run records every step)", 43,
      [("        return PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n",
        "        return PROFILE_WAIT, PROFILE_WARMUP, steps_available - PROFILE_WAIT - PROFILE_WARMUP\n")]),
+    # (the self-check's red team, 2026-11-28)
+    ("perf", PERF, "FLOPs per token as 6 x all parameters (the embedding tables counted)", 42,
+     [("    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,\n"
+       "                                    cfg.d_model, cfg.max_seq_len)\n",
+       "    flops_per_tok = 6 * model.num_params()\n")]),
+    ("perf", PERF, "MFU of the step line from all parameters' FLOPs of its own", 42,
+     [("    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,\n"
+       "                                    cfg.d_model, cfg.max_seq_len)\n",
+       "    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,\n"
+       "                                    cfg.d_model, cfg.max_seq_len)\n"
+       "    flops_all = flops_per_token(model.num_params(), cfg.n_layers, cfg.d_model,\n"
+       "                                cfg.max_seq_len)  # for MFU\n"),
+      ('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       "                mfu = rate * flops_all / (peak * world_size)\n"
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {mfu:.2%}")\n')]),
+    ("perf", PERF, "MFU divided by the peak in TFLOP/s", 42,
+     [('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak / 1e12 * world_size):.1%}")\n')]),
+    ("perf", PERF, "tokens/s over the steps' own time (data loading and logging left out)", 42,
+     [("        interval_tokens, interval_start = 0, time.perf_counter()\n"
+       "        for x, y",
+       "        interval_tokens, interval_start, busy = 0, time.perf_counter(), 0.0\n"
+       "        for x, y"),
+      ("            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)\n",
+       "            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)\n"
+       "            t0 = time.perf_counter()\n"),
+      ("            step += 1\n"
+       "            throughput.step",
+       "            synchronize(device)\n"
+       "            busy += time.perf_counter() - t0\n"
+       "            step += 1\n"
+       "            throughput.step"),
+      ("                rate = interval_tokens / (time.perf_counter() - interval_start)\n",
+       "                rate = interval_tokens / busy\n"),
+      ("                interval_tokens, interval_start = 0, time.perf_counter()\n"
+       '                print0(f"epoch {epoch} {monitor',
+       "                interval_tokens, interval_start, busy = 0, time.perf_counter(), 0.0\n"
+       '                print0(f"epoch {epoch} {monitor')]),
+    ("perf", PERF, "a short run's window one step too long", 43,
+     [("        return 0, 1, steps_available - 1\n",
+       "        return 0, 1, steps_available\n")]),
+    ("perf", PERF, "a run too short to profile says nothing", 43,
+     [('        print0(f"--profile: only {steps_available} training step(s), too few to profile: "\n'
+       '               "run at least 2 (--max-steps)")\n',
+       "")]),
+    ("perf", PERF, "NVTX ranges on every device (a CPU has none)", 44,
+     [('    if device.type == "cuda":\n'
+       "        ranges.enter_context(torch.cuda.nvtx.range(name))\n",
+       "    ranges.enter_context(torch.cuda.nvtx.range(name))\n")]),
+    ("perf", PERF, "NVTX ranges started and never ended", 44,
+     [("        ranges.enter_context(torch.cuda.nvtx.range(name))\n",
+       "        torch.cuda.nvtx.range_start(name)\n")]),
     # ---- the performance job file ------------------------------------------------------
     ("perf-sbatch", PERF_SBATCH, "nsys on every run", 48,
      [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
@@ -1550,6 +1606,18 @@ MESSAGES = {
     "the interval's clock restarted inside every step": ("not inside the step",),
     "the peak printed in GFLOP/s under TFLOP/s": ("1000 x what peak_flops returns",),
     "NVTX ranges pushed and never popped": ("range_pop()", "torch.cuda.nvtx.range(name)"),
+    "FLOPs per token as 6 x all parameters (the embedding tables counted)": (
+        "lookups, not matmuls", "exclude_embeddings=True"),
+    "MFU of the step line from all parameters' FLOPs of its own": (
+        "embedding tables", "exclude_embeddings=True"),
+    "MFU divided by the peak in TFLOP/s": ("1e12 x the formula's", "peak in FLOP/s"),
+    "tokens/s over the steps' own time (data loading and logging left out)": (
+        "not inside the step",),
+    "a short run's window one step too long": (
+        "profiler_window(2) returns (0, 1, 2)", "(--max-steps 2) ends before it"),
+    "a run too short to profile says nothing": ("too short to profile",),
+    "NVTX ranges on every device (a CPU has none)": ("device.type == 'cuda'",),
+    "NVTX ranges started and never ended": ("range_end", "torch.cuda.nvtx.range(name)"),
     "gpu_busy in microseconds": ("divide by 1e3",),
     "gpu_busy's two numbers swapped": ("swapped",),
     "gpu_busy divides by PROFILE_ACTIVE, not the steps counted": ("its count",),
@@ -1882,6 +1950,13 @@ ONLY_FIXED = {
     "a split that loses a layer": {34},
     "samplers count processes": {27},
     "gpu_busy's two numbers swapped": {59},
+    "FLOPs per token as 6 x all parameters (the embedding tables counted)": {42},
+    "MFU of the step line from all parameters' FLOPs of its own": {42},
+    "MFU divided by the peak in TFLOP/s": {42},
+    "a short run's window one step too long": {43},
+    "a run too short to profile says nothing": {43},
+    "NVTX ranges on every device (a CPU has none)": {44},
+    "NVTX ranges started and never ended": {44},
     "the training sampler of one replica (both replicas read the same batches)": {27},
     "the output layer's logits replicated": {24},
     "the loss under loss_parallel kept a DTensor": {30},
@@ -2300,6 +2375,143 @@ CORRECT = [
        "    return wait, warmup, min(PROFILE_ACTIVE, steps_available - wait - warmup)\n")]),
     ("perf", PERF, "no profile for a run shorter than the whole window (said so)",
      [("    if steps_available >= 2:\n        return 0, 1, steps_available - 1\n", "")]),
+    ("perf", PERF, "MFU computed apart, printed as mfu * 100 with two decimals; tokens/s with a thousands comma",
+     [('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       "                mfu = rate * flops_per_tok / (peak * world_size)\n"
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} "\n'
+       '                       f"{rate:,.1f} tokens/s MFU {mfu * 100:.2f}%")\n')]),
+    ("perf", PERF, "tokens/s in thousands (k tok/s), MFU as a percentage with a space before %",
+     [('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       "                mfu = 100 * rate * flops_per_tok / (peak * world_size)\n"
+       '                print0(f"epoch {epoch} step {step} | loss {step_loss.item():.4f} | "\n'
+       '                       f"{rate / 1e3:.2f}k tok/s | MFU: {mfu:.1f} %")\n')]),
+    ("perf", PERF, "MFU printed as a fraction, without %",
+     [('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       "                mfu = rate * flops_per_tok / (peak * world_size)\n"
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {mfu:.3f}")\n')]),
+    ("perf", PERF, "MFU printed as a percentage under MFU(%), without the sign",
+     [('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       "                mfu = 100 * rate * flops_per_tok / (peak * world_size)\n"
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU(%) {mfu:.2f}")\n')]),
+    ("perf", PERF, "tokens/s and MFU of a step printed on two lines",
+     [('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s")\n'
+       '                print0(f"epoch {epoch} step {step} MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n')]),
+    ("perf", PERF, "MFU from one rank's rate over one device's peak, tokens/s of all ranks",
+     [("            interval_tokens += x.numel() * world_size\n",
+       "            interval_tokens += x.numel()\n"),
+      ("                rate = interval_tokens / (time.perf_counter() - interval_start)\n",
+       "                rank_rate = interval_tokens / (time.perf_counter() - interval_start)\n"
+       "                rate = rank_rate * world_size\n"),
+      ('                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rate * flops_per_tok / (peak * world_size):.1%}")\n',
+       '                print0(f"epoch {epoch} step {step} loss {step_loss.item():.4f} {rate:.0f} tokens/s "\n'
+       '                       f"MFU {rank_rate * flops_per_tok / peak:.1%}")\n')]),
+    ("perf", PERF, "FLOPs per token by hand from the config (weight matrices and output projection)",
+     [("    flops_per_tok = flops_per_token(model.num_params(exclude_embeddings=True), cfg.n_layers,\n"
+       "                                    cfg.d_model, cfg.max_seq_len)\n",
+       "    n_matmul = (cfg.n_layers * (4 * cfg.d_model ** 2 + 2 * cfg.d_model * cfg.d_ff)\n"
+       "                + cfg.d_model * cfg.vocab_size)  # attention, MLP, output projection\n"
+       "    flops_per_tok = 6 * n_matmul + 12 * cfg.n_layers * cfg.d_model * cfg.max_seq_len\n")]),
+    ("perf", PERF, "the window shrunk inside make_profiler, no profiler_window",
+     [("    window = profiler_window(steps_available)\n"
+       "    if window is None:\n",
+       "    wait, warmup, active = PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n"
+       "    if steps_available < wait + warmup + active:\n"
+       "        wait, warmup, active = 0, 1, steps_available - 1\n"
+       "    if active < 1:\n"),
+      ("    wait, warmup, active = window\n"
+       "    activities",
+       "    activities")]),
+    ("perf", PERF, "a run shorter than the whole window not profiled, said in main",
+     [("    profiler = make_profiler(out_dir, rank, device, steps_available) if args.profile else None\n",
+       "    profiler = None\n"
+       "    if args.profile and steps_available < PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE:\n"
+       '        print0(f"--profile: a run of {steps_available} steps is too short to profile")\n'
+       "    elif args.profile:\n"
+       "        profiler = make_profiler(out_dir, rank, device, steps_available)\n")]),
+    ("perf", PERF, "profiler_window asks the process group for the rank",
+     [("    if steps_available >= PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE:\n"
+       "        return PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n"
+       "    if steps_available >= 2:\n"
+       "        return 0, 1, steps_available - 1\n"
+       "    return None\n",
+       "    if steps_available >= PROFILE_WAIT + PROFILE_WARMUP + PROFILE_ACTIVE:\n"
+       "        return PROFILE_WAIT, PROFILE_WARMUP, PROFILE_ACTIVE\n"
+       "    if steps_available >= 2:\n"
+       "        if torch.distributed.get_rank() == 0:\n"
+       "            print(f'profiling a short run: steps 2 to {steps_available}')\n"
+       "        return 0, 1, steps_available - 1\n"
+       "    return None\n")]),
+    ("perf", PERF, "NVTX ranges pushed and popped in try/finally (annotate a generator)",
+     [("def annotate(name: str, device: torch.device):\n"
+       "    ranges = contextlib.ExitStack()\n"
+       "    ranges.enter_context(record_function(name))\n"
+       '    if device.type == "cuda":\n'
+       "        ranges.enter_context(torch.cuda.nvtx.range(name))\n"
+       "    return ranges\n",
+       "@contextlib.contextmanager\n"
+       "def annotate(name: str, device: torch.device):\n"
+       "    with record_function(name):\n"
+       '        if device.type == "cuda":\n'
+       "            torch.cuda.nvtx.range_push(name)\n"
+       "        try:\n"
+       "            yield\n"
+       "        finally:\n"
+       '            if device.type == "cuda":\n'
+       "                torch.cuda.nvtx.range_pop()\n")]),
+    ("perf", PERF, "NVTX ranges by range_start and range_end",
+     [("def annotate(name: str, device: torch.device):\n"
+       "    ranges = contextlib.ExitStack()\n"
+       "    ranges.enter_context(record_function(name))\n"
+       '    if device.type == "cuda":\n'
+       "        ranges.enter_context(torch.cuda.nvtx.range(name))\n"
+       "    return ranges\n",
+       "@contextlib.contextmanager\n"
+       "def annotate(name: str, device: torch.device):\n"
+       "    with record_function(name):\n"
+       '        handle = torch.cuda.nvtx.range_start(name) if device.type == "cuda" else None\n'
+       "        try:\n"
+       "            yield\n"
+       "        finally:\n"
+       "            if handle is not None:\n"
+       "                torch.cuda.nvtx.range_end(handle)\n")]),
+    ("perf", PERF, "backward and the optimizer step in functions under a decorator of ranges",
+     [('            with annotate("backward", device):\n'
+       "                loss.backward()\n",
+       "            backward(loss)\n"),
+      ('            with annotate("optimizer", device):\n'
+       "                optimizer.step()\n",
+       "            optimizer_step()\n"),
+      ("    # ---- training ----\n",
+       '    @annotated("backward", device)\n'
+       "    def backward(loss):\n"
+       "        loss.backward()\n"
+       "\n"
+       '    @annotated("optimizer", device)\n'
+       "    def optimizer_step():\n"
+       "        optimizer.step()\n"
+       "\n"
+       "    # ---- training ----\n"),
+      ("def lm_loss(logits, targets):\n",
+       "def annotated(name, device):\n"
+       '    """annotate() as a decorator"""\n'
+       "    def wrap(fn):\n"
+       "        fn = record_function(name)(fn)\n"
+       '        if device.type == "cuda":\n'
+       "            fn = torch.cuda.nvtx.range(name)(fn)\n"
+       "        return fn\n"
+       "    return wrap\n"
+       "\n"
+       "\n"
+       "def lm_loss(logits, targets):\n")]),
     ("perf-sbatch", PERF_SBATCH, "nsys options spelled out",
      [('-t "${NSYS_TRACE:-cuda,nvtx,nccl}" -o "$OUT_DIR/nsys" --force-overwrite=true',
        '--trace="${NSYS_TRACE:-cuda,nvtx,nccl}" --output="$OUT_DIR/nsys" --force-overwrite true')]),

@@ -117,6 +117,9 @@ KNOWN_CAUSES = [
     (r"save0 got sharded",
      "no rank holds the whole model any more: save_full_model, called on every rank, gathers "
      "it into one file (or a DCP save writes every rank's shards)"),
+    (r"NVTX functions not installed",
+     "NVTX needs a GPU (a CUDA build of torch): open torch.cuda.nvtx ranges only when "
+     "device.type == 'cuda', record_function on every device"),
     (r"Default process group has not been initialized|process group has not been initialized",
      "a collective before setup(): call setup() first"),
     (r"Invalid rank \d+, rank should be in the interval",
