@@ -74,29 +74,22 @@ class Probe:
             frame = frame.f_back
         return None
 
-    def script_locals(self, depth: int = 2) -> dict:
+    def script_locals(self, depth: int = 2, names=WATCHED_LOCALS) -> dict:
+        """{name: value} of the whole-number local variables `names` of the script's innermost
+        frame on the stack. Read without keeping the others alive: before Python 3.13 reading
+        f_locals fills a dict that holds every local of the frame until the frame ends (a model
+        the script deletes would outlive its `del`), so the dict is emptied again."""
         frame = sys._getframe(depth)
         while frame is not None and frame.f_code.co_filename != self.script:
             frame = frame.f_back
         if frame is None:
             return {}
-        return {k: v for k, v in frame.f_locals.items()
-                if k in WATCHED_LOCALS and isinstance(v, int) and not isinstance(v, bool)}
-
-    def script_local(self, name: str, depth: int = 2) -> int | None:
-        """One whole-number local variable of the script, read without keeping the others
-        alive: before Python 3.13 reading f_locals fills a dict that holds every local of the
-        frame until the frame ends (a model the script deletes would outlive its `del`)."""
-        frame = sys._getframe(depth)
-        while frame is not None and frame.f_code.co_filename != self.script:
-            frame = frame.f_back
-        if frame is None or name not in frame.f_code.co_varnames + frame.f_code.co_cellvars:
-            return None
         snapshot = frame.f_locals
-        value = snapshot.get(name)
+        found = {k: snapshot[k] for k in names
+                 if isinstance(snapshot.get(k), int) and not isinstance(snapshot[k], bool)}
         if isinstance(snapshot, dict):
             snapshot.clear()  # (a cache: the variables themselves stay)
-        return value if isinstance(value, int) and not isinstance(value, bool) else None
+        return found
 
     def script_groups(self, depth: int = 2) -> dict:
         """{name: ranks} of the process groups the script holds in local variables (dp_group:
@@ -508,7 +501,7 @@ class Probe:
 
         def tokens(self, n):
             if not record["tokens"]:  # what the script counted before training (TP's TODO 28)
-                record["step_locals"] = {"local_params": probe.script_local("local_params")}
+                record["step_locals"] = probe.script_locals(names=("local_params",))
             record["tokens"].append(int(n))
         wrap(um.Throughput, "step", before=tokens)
 

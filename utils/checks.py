@@ -177,6 +177,22 @@ def _launch_rank() -> int:
     return int(os.environ.get("LOCAL_RANK") or 0)  # Lightning's own processes on one node
 
 
+def _listed(folder: Path, names: list[str]) -> str:
+    """"checkpoints/, summary.json": the names in `folder`, a folder's with a slash."""
+    return ", ".join(f"{n}/" if (folder / n).is_dir() else n for n in names)
+
+
+def _stop_if_rank0_found(problem: str | None, rank: int) -> None:
+    """Rank 0 decided (problem, or None on the other ranks): every rank stops together with
+    its one line, or all go on."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)
+        problem = box[0]
+    if problem:
+        _stop(problem, rank == 0)
+
+
 def claim_lesson_out_dir(args, own_key: str) -> None:
     """Before a lesson that trains nothing and writes only OUT_DIR/summary.json (the
     collectives lesson, run again after every TODO): its own summary.json (one with `own_key`)
@@ -195,16 +211,11 @@ def claim_lesson_out_dir(args, own_key: str) -> None:
             own = False
         theirs = [n for n in earlier_results(out_dir) if not (n == "summary.json" and own)]
         if theirs and not args.overwrite:
-            names = ", ".join(f"{n}/" if (out_dir / n).is_dir() else n for n in theirs)
-            problem = (f"--out-dir {out_dir} holds the results of another run ({names}): "
+            problem = (f"--out-dir {out_dir} holds the results of another run "
+                       f"({_listed(out_dir, theirs)}): "
                        "choose another --out-dir for the lesson (a profiled run's folder goes "
                        "after --trace), or replace its summary.json with --overwrite")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
-    if problem:
-        _stop(problem, rank == 0)
+    _stop_if_rank0_found(problem, rank)
 
 
 def remove_leftovers(folder: Path) -> None:
@@ -247,9 +258,9 @@ def claim_out_dir(args) -> None:
             problem = take(out_dir, say=lambda line: print(line, flush=True))
         restarts, launcher = restart_count()
         if problem is None and found and not (resume or overwrite or restarts):
-            names = ", ".join(f"{n}/" if (out_dir / n).is_dir() else n for n in found)
             again = "continue it with --resume auto, " if hasattr(args, "resume") else ""
-            problem = (f"--out-dir {out_dir} holds the results of an earlier run ({names}): "
+            problem = (f"--out-dir {out_dir} holds the results of an earlier run "
+                       f"({_listed(out_dir, found)}): "
                        f"{again}delete them with --overwrite, or choose another --out-dir")
         if problem is None:
             remove_leftovers(out_dir)
@@ -264,9 +275,4 @@ def claim_out_dir(args) -> None:
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
             print(f"--overwrite: deleted the earlier run's {', '.join(found)} in {out_dir}",
                   flush=True)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [problem]
-        dist.broadcast_object_list(box, src=0)
-        problem = box[0]
-    if problem:
-        _stop(problem, rank == 0)
+    _stop_if_rank0_found(problem, rank)
