@@ -25,9 +25,10 @@ _server_settings: dict | None = None
 
 
 def _context(device: str):
-    """Fresh processes for the ranks. On the CPU they fork from a server that imported torch
-    once (a spawned process imports it again: seconds per rank), unless a test changed a
-    setting read at start since the server started; the GPU suite spawns, so that no process
+    """Fresh processes for the ranks. On the CPU they fork from the self-check's warm server
+    (selfcheck/runs.py: torch imported once; a spawned process imports it again, seconds per
+    rank; one server per process, shared with the check's own runs), unless a test changed a
+    setting read at start since the first call; the GPU suite spawns, so that no process
     inherits anything of CUDA's."""
     global _server_settings
     settings = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
@@ -35,16 +36,16 @@ def _context(device: str):
         _server_settings = settings
     if device == "cuda" or settings != _server_settings:
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.fsdp",
-                                "torch.distributed.tensor", "torch.distributed.pipelining",
-                                "model", "distributed"])
-    return ctx
+    from selfcheck.runs import fork_context
+    return fork_context()
 
 
 def _worker(fn, rank, world_size, port, queue, args, device_type, visible_gpus, environ):
     os.environ.clear()  # the test's environment now (a forked rank has the server's)
     os.environ.update(environ)
+    import utils.distributed_utils as du  # what it read from the server's environment at import
+    from utils.launch import dist_timeout
+    du.TIMEOUT = dist_timeout()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), OMP_NUM_THREADS="1")
