@@ -6,6 +6,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,14 +39,25 @@ def pytest_configure(config):
         config.option.dist = "loadfile"
 
 
+# the self-check's steps (selfcheck.steps.ORDER), as its tests' ids begin: `[perf-42-...]`
+CHECK_STEP_ID = re.compile(r"\[(ddp|sbatch|fsdp|tp|pp|perf-sbatch|perf|collectives|memory)[-\]]")
+
+
 def xdist_scope(nodeid: str) -> str:
-    """What one xdist process runs together: a test file, except for the GPU suite's tests on
-    GPUs (`[gpu-...]`, the `on` fixture), which spread over the processes. Each script run
-    there is a torchrun of about 20 s, mostly start-up, so `pytest -m gpu -n 4` takes a quarter
-    of the time on a GPU node: whole files would put all of them on one process (an H200,
-    2026-11-27: 10 tests in 197 s). In CI they are skipped, and the rehearsal stays whole."""
+    """What one xdist process runs together: a test file, except for two files too long to be
+    one. The GPU suite's tests on GPUs (`[gpu-...]`, the `on` fixture) spread over the
+    processes: each script run there is a torchrun of about 20 s, mostly start-up, so `pytest
+    -m gpu -n 4` takes a quarter of the time on a GPU node, where whole files would put all of
+    them on one process (an H200, 2026-11-27: 10 tests in 197 s); in CI they are skipped, and
+    the rehearsal stays whole. The self-check's cases go one step at a time: whole, the file
+    was 35 of CI's 38 minutes on one process (2102 s, 2026-11-28), longer than all the other
+    files together on the other; a step's cases still share their process's warm fork server
+    and reference runs."""
     path, _, test = nodeid.partition("::")
-    return nodeid if path.endswith("test_gpu.py") and "[gpu" in test else path
+    if path.endswith("test_gpu.py") and "[gpu" in test:
+        return nodeid
+    step = CHECK_STEP_ID.search(test) if path.endswith("test_check.py") else None
+    return f"{path}::{step.group(1)}" if step else path
 
 
 @pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where it is not installed
