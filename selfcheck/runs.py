@@ -150,6 +150,7 @@ def rank_main(probe_args: list[str], env: dict, log: str) -> None:
 
 
 _FORK_CONTEXT = None
+_SERVER_ENVIRON: dict | None = None
 # what the fork server imports torch under (what only counts at import time); the rest of its
 # environment is the caller's
 SERVER_ENV = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
@@ -157,10 +158,16 @@ SERVER_ENV = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
                   HF_DATASETS_OFFLINE="1")
 
 
+def fork_server_environ() -> dict | None:
+    """The environment the fork server started under (None before it started): what its
+    forked processes read at start, whatever the caller's environment is by now."""
+    return _SERVER_ENVIRON
+
+
 def fork_context():
     """multiprocessing's fork server, started once per check (or test session) with torch,
     utils and the probe imported; the settings that only count at import time are set first."""
-    global _FORK_CONTEXT
+    global _FORK_CONTEXT, _SERVER_ENVIRON
     if _FORK_CONTEXT is None:
         import multiprocessing
         from multiprocessing import forkserver
@@ -170,6 +177,7 @@ def fork_context():
         os.environ.update(SERVER_ENV)
         try:
             forkserver.ensure_running()
+            _SERVER_ENVIRON = dict(os.environ)
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -11,6 +11,8 @@ import traceback
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import warm_launch
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -18,23 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-# settings a process reads as it starts (or as torch is imported): a rank forked from a server
-# started under other ones would not honour them
-AT_START = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA_")
-_server_settings: dict | None = None
-
-
 def _context(device: str):
     """Fresh processes for the ranks. On the CPU they fork from the self-check's warm server
     (selfcheck/runs.py: torch imported once; a spawned process imports it again, seconds per
-    rank; one server per process, shared with the check's own runs), unless a test changed a
-    setting read at start since the first call; the GPU suite spawns, so that no process
-    inherits anything of CUDA's."""
-    global _server_settings
-    settings = {k: v for k, v in os.environ.items() if k.startswith(AT_START)}
-    if _server_settings is None:
-        _server_settings = settings
-    if device == "cuda" or settings != _server_settings:
+    rank; one server per process, shared with the check's own runs), unless the test's
+    environment sets what a process reads as it starts otherwise than the server's
+    (tests/warm_launch.py); the GPU suite spawns, so that no process inherits anything of
+    CUDA's."""
+    # what _worker sets itself, whichever way the rank starts
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    if device == "cuda" or warm_launch.needs_a_real_start(env):
         return mp.get_context("spawn")
     from selfcheck.runs import fork_context
     return fork_context()

@@ -60,3 +60,27 @@ def test_a_warm_rank_waits_for_the_others_as_long_as_its_environment_says(tmp_pa
     assert warm_launch.run(str(script), [], 1, env, 120).stdout.split() == ["300.0"]
     env["DIST_TIMEOUT_MINUTES"] = "2"
     assert warm_launch.run(str(script), [], 1, env, 120).stdout.split() == ["120.0"]
+
+
+def imported_sitecustomize(rank, world_size):
+    import sys
+    return getattr(sys.modules.get("sitecustomize"), "MARK", None)
+
+
+def test_settings_a_test_module_set_for_a_while_reach_its_ranks_and_never_the_warm_server(
+        tmp_path, monkeypatch):
+    """One warm server serves a whole test process: the self-check's cases, then a file whose
+    module fixture puts a stand-in on PYTHONPATH (the GPU rehearsal's NVML), then the next
+    file. The stand-in's ranks start for real and load it; the server, whoever started it
+    first, never does."""
+    from distributed import run_distributed
+    from selfcheck.runs import fork_context, fork_server_environ
+    fork_context()  # as a self-check case before this test would have
+    (tmp_path / "sitecustomize.py").write_text("MARK = 'stand-in loaded'\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(ROOT)]))
+    assert warm_launch.needs_a_real_start(script_env()) == "PYTHONPATH"
+    assert run_distributed(imported_sitecustomize, 1) == ["stand-in loaded"]
+    monkeypatch.undo()
+    assert warm_launch.needs_a_real_start(script_env()) is None
+    assert str(tmp_path) not in fork_server_environ().get("PYTHONPATH", "")
+    assert run_distributed(imported_sitecustomize, 1) == [None]

@@ -63,23 +63,27 @@ def _rank_main(script: str, argv: list[str], env: dict, out: str, err: str) -> N
 # preloaded library, torch's or OpenMP's settings) needs a real start.
 AT_START = ("PYTHON", "LD_", "TORCH", "OMP_", "MKL_", "KMP_", "CUDA_")
 SAME_EITHER_WAY = {"PYTHONUNBUFFERED"}  # the ranks' output is line-buffered files anyway
+# This process's environment as the session began (conftest.py imports this module first).
+# The warm server is one per test process, shared by every test file it runs and by the
+# self-check's runs: it starts under this environment only, never under the settings that one
+# test module has set for a while (the GPU rehearsal's stand-in NVML on PYTHONPATH), which
+# the ranks of every later file would otherwise inherit.
+SESSION_ENV = dict(os.environ)
 
 
 def needs_a_real_start(env: dict) -> str | None:
-    """The first setting of `env` a warm rank would not honour, or None."""
-    server = _server_env()
-    for key in sorted(set(env) | set(server)):
-        if key.startswith(AT_START) and key not in SAME_EITHER_WAY \
-                and env.get(key) != server.get(key):
+    """The first setting of `env` a warm rank would not honour, or None: one that differs from
+    the server's, or, before the server has started, from the session's, or one that this
+    process has changed since the session began (the server would start under it)."""
+    from selfcheck.runs import SERVER_ENV, fork_server_environ
+    started = fork_server_environ()
+    server = started or {**SESSION_ENV, **SERVER_ENV}
+    now = {**os.environ, **SERVER_ENV}
+    for key in sorted(set(env) | set(server) | set(now)):
+        if key.startswith(AT_START) and key not in SAME_EITHER_WAY and (
+                env.get(key) != server.get(key) or not started and now.get(key) != server.get(key)):
             return key
     return None
-
-
-def _server_env() -> dict:
-    """The environment the warm server imported torch under: this process's, with the
-    settings selfcheck.runs.fork_context starts it with."""
-    from selfcheck.runs import SERVER_ENV
-    return {**os.environ, **SERVER_ENV}
 
 
 def run(script: str, argv: list[str], nproc: int, env: dict, timeout: float
