@@ -50,9 +50,9 @@ def xdist_scope(nodeid: str) -> str:
     -m gpu -n 4` takes a quarter of the time on a GPU node, where whole files would put all of
     them on one process (an H200, 2026-11-27: 10 tests in 197 s); in CI they are skipped, and
     the rehearsal stays whole. The self-check's cases go one step at a time: whole, the file
-    was 35 of CI's 38 minutes on one process (2102 s, 2026-11-28), longer than all the other
-    files together on the other; a step's cases still share their process's warm fork server
-    and reference runs."""
+    kept one process busy for 35 of CI's 38 minutes (2102 s, 2026-11-28), as long as all the
+    other files together on the other, and any case more made it the longest; a step's cases
+    still share their process's warm fork server and reference runs."""
     path, _, test = nodeid.partition("::")
     if path.endswith("test_gpu.py") and "[gpu" in test:
         return nodeid

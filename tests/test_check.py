@@ -64,6 +64,16 @@ def copy_of(tmp_path, rel, *replacements, source="solutions"):
     return path
 
 
+def test_each_steps_cases_go_to_one_test_process_together():
+    from conftest import xdist_scope
+    for step in ORDER:
+        for case in (f"test_the_solution_is_all_good[{step}]",
+                     f"test_a_typical_mistake_is_reported_under_its_todo[{step}-7-x]"):
+            assert xdist_scope(f"tests/test_check.py::{case}") == f"tests/test_check.py::{step}"
+    assert xdist_scope("tests/test_check.py::test_without_a_step_the_steps_are_listed") \
+        == "tests/test_check.py"
+
+
 @pytest.mark.parametrize("step", ORDER)
 def test_the_solution_is_all_good(tmp_path, step, check_cache):
     code, text, flagged = run_check(step, copy_of(tmp_path, step_module(step).FILE))
