@@ -84,3 +84,15 @@ def test_settings_a_test_module_set_for_a_while_reach_its_ranks_and_never_the_wa
     assert warm_launch.needs_a_real_start(script_env()) is None
     assert str(tmp_path) not in fork_server_environ().get("PYTHONPATH", "")
     assert run_distributed(imported_sitecustomize, 1) == [None]
+
+
+def test_before_the_warm_server_starts_a_test_modules_settings_get_a_real_start(monkeypatch):
+    """The server starts at the first warm rank of a test process: not under a setting that a
+    module put in place for a while, even for a rank whose own environment lacks it."""
+    from selfcheck import runs
+    monkeypatch.setattr(runs, "_SERVER_ENVIRON", None)  # as in a test process just begun
+    assert warm_launch.needs_a_real_start(script_env()) is None
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/elsewhere")
+    assert warm_launch.needs_a_real_start(script_env()) == "TORCHINDUCTOR_CACHE_DIR"
+    session = {k: v for k, v in script_env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    assert warm_launch.needs_a_real_start(session) == "TORCHINDUCTOR_CACHE_DIR"
