@@ -96,3 +96,20 @@ def test_before_the_warm_server_starts_a_test_modules_settings_get_a_real_start(
     assert warm_launch.needs_a_real_start(script_env()) == "TORCHINDUCTOR_CACHE_DIR"
     session = {k: v for k, v in script_env().items() if k != "TORCHINDUCTOR_CACHE_DIR"}
     assert warm_launch.needs_a_real_start(session) == "TORCHINDUCTOR_CACHE_DIR"
+
+
+@pytest.mark.parametrize("server", ["not started yet", "started"])
+def test_torchs_compiler_writing_its_default_cache_folder_into_the_environment_needs_no_real_start(
+        server, monkeypatch):
+    """The first torch.compile in a test process sets TORCHINDUCTOR_CACHE_DIR to the folder a
+    rank would use anyway: the process's later warm ranks stay warm (CI once failed here)."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    from selfcheck import runs
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(runs, "_SERVER_ENVIRON", None if server == "not started yet"
+                        else {**os.environ, **runs.SERVER_ENV})  # before any compile
+    cache_dir()  # what inductor does as it compiles
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == os.path.abspath(default_cache_dir())
+    assert warm_launch.needs_a_real_start(script_env()) is None
+    assert warm_launch.needs_a_real_start({**script_env(), "TORCHINDUCTOR_CACHE_DIR": "/x"}) \
+        == "TORCHINDUCTOR_CACHE_DIR"

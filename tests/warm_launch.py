@@ -71,14 +71,25 @@ SAME_EITHER_WAY = {"PYTHONUNBUFFERED"}  # the ranks' output is line-buffered fil
 SESSION_ENV = dict(os.environ)
 
 
+def _as_read(environ: dict) -> dict:
+    """`environ` as a starting process understands it. torch's compiler writes its default
+    cache folder into this process's environment the first time it compiles (any test that
+    compiles in-process): that means what no setting means, not a change to start for."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    if environ.get("TORCHINDUCTOR_CACHE_DIR") == os.path.abspath(default_cache_dir()):
+        return {k: v for k, v in environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    return environ
+
+
 def needs_a_real_start(env: dict) -> str | None:
     """The first setting of `env` a warm rank would not honour, or None: one that differs from
     the server's, or, before the server has started, from the session's, or one that this
     process has changed since the session began (the server would start under it)."""
     from selfcheck.runs import SERVER_ENV, fork_server_environ
     started = fork_server_environ()
-    server = started or {**SESSION_ENV, **SERVER_ENV}
-    now = {**os.environ, **SERVER_ENV}
+    server = _as_read(started or {**SESSION_ENV, **SERVER_ENV})
+    now = _as_read({**os.environ, **SERVER_ENV})
+    env = _as_read(env)
     for key in sorted(set(env) | set(server) | set(now)):
         if key.startswith(AT_START) and key not in SAME_EITHER_WAY and (
                 env.get(key) != server.get(key) or not started and now.get(key) != server.get(key)):
