@@ -1087,6 +1087,12 @@ MISTAKES = [
      [("            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)\n",
        "            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)\n"
        "            interval_start = time.perf_counter()\n")]),
+    # at --log-every 1 this clock misses only the wait for each batch: the stand-in GPU run's
+    # reports two steps apart show it (2 steps' tokens over about 1 step's time)
+    ("perf", PERF, "the interval's clock started at the top of every step", 42,
+     [("                break\n            x, y = x.to(device, non_blocking=True)",
+       "                break\n            interval_start = time.perf_counter()\n"
+       "            x, y = x.to(device, non_blocking=True)")]),
     ("perf", PERF, "the peak printed in GFLOP/s under TFLOP/s", 42,
      [('print0(f"MFU against {peak / 1e12:.3g} TFLOP/s', 'print0(f"MFU against {peak / 1e9:.3g} TFLOP/s')]),
     ("perf", PERF, "gpu_busy in microseconds", 59,
@@ -1604,6 +1610,7 @@ MESSAGES = {
     "the rate in tokens per millisecond": ("counts seconds",),
     "sequences counted, not tokens": ("x.numel()", "len(x)"),
     "the interval's clock restarted inside every step": ("not inside the step",),
+    "the interval's clock started at the top of every step": ("not inside the step",),
     "the peak printed in GFLOP/s under TFLOP/s": ("1000 x what peak_flops returns",),
     "NVTX ranges pushed and never popped": ("range_pop()", "torch.cuda.nvtx.range(name)"),
     "FLOPs per token as 6 x all parameters (the embedding tables counted)": (

@@ -290,6 +290,26 @@ def test_a_run_that_needs_a_later_todo_says_done_only_when_the_todo_before_is():
     assert "now that TODO 55 is done" in report.render()[0][1]
 
 
+@pytest.mark.parametrize("printed, verdict", [(1.0, None), (2.1, "not inside the step"),
+                                               (0.5, "count every step's tokens")])
+def test_tokens_per_s_two_steps_apart_must_agree_with_the_course_monitors(printed, verdict):
+    """The perf check's stand-in GPU run reports every second step. A clock restarted inside
+    each step prints about 2 x there, where at --log-every 1 it misses only the wait for a
+    batch (the tiny model's milliseconds: CI's load once hid it); one step's tokens, 0.5 x."""
+    from types import SimpleNamespace
+    from selfcheck.report import Report
+    from selfcheck.steps import perf
+    steps = (2, 4, 6, 8)
+    monitor = [f"step {s}/8 | loss 5.0 | 1,000 tokens/s | MFU 0.5%" for s in steps]
+    mine = [f"epoch 0 step {s} loss 5.0000 {1000 * printed:.0f} tokens/s MFU 1.0%" for s in steps]
+    run = SimpleNamespace(crashed=False, ranks=[{"monitor_lines": monitor}, {}],
+                          outputs=["\n".join(l for pair in zip(mine, monitor) for l in pair)])
+    ctx = SimpleNamespace(report=Report(perf.TODOS, {}))
+    perf.check_rates_between_reports(ctx, run)
+    said = ctx.report.verdicts[42]
+    assert said == [] if verdict is None else verdict in said[0][1] and "--log-every 2" in said[0][1]
+
+
 def test_a_todo_not_checked_points_to_the_fix_above_or_below_it():
     from selfcheck.report import Report
     report = Report({1: "a", 2: "b", 3: "c"}, {1: "edited", 2: "edited", 3: "edited"})
