@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import warm_launch
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from selfcheck.runs import free_port
 
 
 def _context(device: str):
