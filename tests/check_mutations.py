@@ -1596,10 +1596,56 @@ MISTAKES = [
     ("memory", MEM, "DDP's no_sync() called, not entered", 58,
      [("        with model.no_sync():\n            yield\n",
        "        model.no_sync()\n        yield\n")]),
+    # ---- found by trying new mistakes on the check (2026-11-28) ---------------------------
+    ("ddp", DDP, "the training sampler without the run's seed", 3,
+     [("shuffle=True, seed=args.seed, drop_last=True)", "shuffle=True, drop_last=True)")]),
+    ("ddp", DDP, "DistributedEvalSampler for the training split", 3,
+     [("train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,\n"
+       "                                       shuffle=True, seed=args.seed, drop_last=True)",
+       "train_sampler = DistributedEvalSampler(train_ds, num_replicas=world_size, rank=rank)")]),
+    ("ddp", DDP, "the model wrapped in DDP twice", 5,
+     [('model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)',
+       'model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)\n'
+       "    model = DDP(model)")]),
+    ("ddp", DDP, "the loss averaged over the ranks before backward", 7,
+     [("                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n",
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n"
+       "                loss = all_reduce_mean(loss)\n"),
+      ("step_loss = all_reduce_mean(loss.detach())", "step_loss = loss.detach().clone()")]),
+    ("fsdp", FSDP, "the sharded state dict torch.save-d on rank 0 as the final model", 22,
+     [('    save_full_model(model, out_dir / "final_model.pt")',
+       '    if rank == 0:\n        torch.save(model.state_dict(), out_dir / "final_model.pt")')]),
+    ("fsdp", FSDP, "apply_fsdp called without the precision (its default: fp32)", 19,
+     [('apply_fsdp(model, args.precision, args.reshard_after_forward == "true")',
+       'apply_fsdp(model, reshard_after_forward=args.reshard_after_forward == "true")')]),
+    ("fsdp", FSDP, "the checkpoints saved without the optimizer", 20,
+     [('save_sharded_model(model, optimizer, out_dir / "checkpoints" / name, train_state)',
+       'save_sharded_model(model, None, out_dir / "checkpoints" / name, train_state)')]),
+    ("tp", TP, "the optimizer made before apply_tp and fully_shard", 29,
+     [("    model = apply_tp(model, mesh[\"tp\"])\n",
+       "    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, "
+       "weight_decay=args.weight_decay,\n"
+       "                                  fused=device.type == \"cuda\")\n"
+       "    model = apply_tp(model, mesh[\"tp\"])\n"),
+      ("    fully_shard(model, mesh=mesh[\"dp\"])\n"
+       "    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, "
+       "weight_decay=args.weight_decay,\n"
+       "                                  fused=device.type == \"cuda\")  # one kernel for all "
+       "parameters\n",
+       "    fully_shard(model, mesh=mesh[\"dp\"])\n")]),
 ]
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the training sampler without the run's seed": ("seed=args.seed",),
+    "DistributedEvalSampler for the training split": ("DistributedSampler(train_ds",),
+    "the model wrapped in DDP twice": ("twice", "wrap the model once"),
+    "the loss averaged over the ranks before backward": ("the rank's own loss",),
+    "the optimizer made before apply_tp and fully_shard": ("after fully_shard",),
+    "the sharded state dict torch.save-d on rank 0 as the final model": (
+        "DTensors", "save_full_model(model, path)"),
+    "apply_fsdp called without the precision (its default: fp32)": ("args.precision",),
+    "the checkpoints saved without the optimizer": ("no optimizer state",),
     "samplers count processes": ("num_replicas=dp_size, rank=dp_rank",),
     "the received chunk added into the chunk sent": ("chunks[into] += received",),
     "the reduce-scatter's steps counted from 1 (one step off)": (
@@ -1947,6 +1993,14 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # found by trying new mistakes on the check (2026-11-28): the cause, not its consequences
+    "the training sampler without the run's seed": {3},
+    "DistributedEvalSampler for the training split": {3},
+    "the model wrapped in DDP twice": {5},
+    "the loss averaged over the ranks before backward": {7},
+    "the sharded state dict torch.save-d on rank 0 as the final model": {22},
+    "apply_fsdp called without the precision (its default: fp32)": {19},
+    "the checkpoints saved without the optimizer": {20},
     # the collectives lesson: a wrong part of the ring is that part's alone
     "the reduce-scatter's steps counted from 1 (one step off)": {50},
     "every step range and every event named all_reduce counted": {54},

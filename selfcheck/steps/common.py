@@ -494,6 +494,11 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
             problems.append((todo_sampler, "the training sampler has shuffle=False: it must "
                              "shuffle (shuffle=True, seed=args.seed)"))
             break
+        if given.get("shuffle") and "seed" not in given:  # (the check's runs use seed 0 too)
+            problems.append((todo_sampler, "the training sampler shuffles with its own seed, "
+                             "0, whatever --seed says: every run reads the data in one order; "
+                             "DistributedSampler(..., shuffle=True, seed=args.seed, ...)"))
+            break
     if not problems:
         groups: dict[int, list[list[int]]] = {}
         for rank, first in enumerate(firsts):
@@ -754,6 +759,10 @@ def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how
             first = f"it has no {missing.group(1)} (no stage saved it)"
         hint = (" (its keys start with 'module.': save the model inside the DDP wrapper, "
                 "save0(model, path) unwraps it)" if "module." in str(e) else "")
+        if "DTensor" in str(e):  # torch.save of a sharded model's own state dict
+            first = "it holds DTensors, each rank's shards of the weights, not plain tensors"
+            hint = (": save_full_model(model, path), called on every rank, gathers the whole "
+                    "model and writes it once")
         prefix = saved_key_prefix(path) if missing and not hint else None
         if prefix:  # the whole model's keys, under another name: a state dict inside a dict
             first = (f"its keys start with '{prefix}' ({prefix}layers.0...): save the state "

@@ -69,6 +69,17 @@ def check(ctx) -> None:
             report_crash(ctx, run, cause=(
                 f"{name}'s second argument is a process group (the ranks to reduce over), not "
                 f"a count: leave it out, {name}(tensor) reduces over all ranks"))
+        elif eval_sampler_trains(run):
+            report_crash(ctx, run, todo=3, cause=(
+                "the training sampler is a DistributedEvalSampler, which neither shuffles nor "
+                "takes an epoch: training takes torch's DistributedSampler(train_ds, ..., "
+                "shuffle=True, seed=args.seed, drop_last=True)"))
+        elif "does not require grad" in (run.failure.message or "") and \
+                calls(run, "all_reduce_mean"):
+            report_crash(ctx, run, todo=7, cause=(
+                "backward got the averaged loss: all_reduce_mean returns a copy without "
+                "gradient, for the log only; backward takes the rank's own loss (DDP averages "
+                "the gradients), step_loss = all_reduce_mean(loss.detach())"))
         elif loss_made_a_number(ctx, run.failure):
             report_crash(ctx, run, todo=7, cause=(
                 "step_loss must stay a tensor (loss_history and monitor.report take it as one; "
@@ -283,6 +294,15 @@ def loss_made_a_number(ctx, f) -> bool:
         and "step_loss" in flow_todos(ctx, f.line).get(7, "")
 
 
+def eval_sampler_trains(run) -> bool:
+    """The training DataLoader's sampler is a DistributedEvalSampler, and set_epoch stopped
+    the run on it (set_epoch on the validation sampler stops it the same way: TODO 6)."""
+    first = run.ranks[0] or {}
+    return "'DistributedEvalSampler' object has no attribute 'set_epoch'" in (
+        run.failure.message or "") and (train_sampler(first) or {}).get(
+        "kind") == "DistributedEvalSampler"
+
+
 def swapped_sampler_arguments(run) -> str | None:
     """A sampler given rank and world_size in each other's places (positionally: the order is
     dataset, num_replicas, rank): rank 0 then has 0 replicas and stops dividing by it."""
@@ -425,7 +445,12 @@ def check_ddp(ctx, run, ref) -> None:
     if rep.failed(5) or len(records) < 2 or any("param_sum" not in r for r in records[:2]):
         return
     same = records[0]["param_sum"] == records[1]["param_sum"]
-    if same and ddp:
+    twice = next((d for d in ddp if d["module"] == "DistributedDataParallel"), None)
+    if twice:  # the numbers stay right (the mean of means): only the time is lost
+        rep.fail(5, f"the model is wrapped in DDP twice (line {twice['line']} wraps a DDP): "
+                 "every gradient is all-reduced twice per step; wrap the model once, model = "
+                 "DDP(model, device_ids=...)")
+    elif same and ddp:
         rep.ok(5, "both ranks end with the same weights")
     elif same:  # no DDP, yet equal weights: nothing was trained apart (or a crash)
         if not run.crashed:

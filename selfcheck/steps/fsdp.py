@@ -104,7 +104,14 @@ def check_bf16_policy(ctx, bf16) -> None:
     rep = ctx.report
     units = bf16.ranks[0].get("fsdp") if bf16.ranks and bf16.ranks[0] else None
     problem = policy_problem(units) if units else None
-    if problem:
+    given = [c for c in bf16.ranks[0].get("own_calls", {}).get("apply_fsdp", [])] \
+        if bf16.ranks and bf16.ranks[0] else []
+    if problem and given and len(given[0]["args"]) < 2 and "precision" not in given[0]["kwargs"]:
+        # apply_fsdp may be right: its caller left the precision to its default
+        rep.fail(19, "apply_fsdp is called without the precision, so --precision bf16 "
+                 "shards fp32 weights: apply_fsdp(model, args.precision, "
+                 "args.reshard_after_forward == 'true')")
+    elif problem:
         stopped = bf16.failure.message if bf16.crashed and bf16.failure else ""
         rep.fail(18, problem + (f" (the --precision bf16 run stopped with: {stopped})"
                                 if stopped else ""))
@@ -377,6 +384,12 @@ def missing_keys_text(state: dict, missing: list, own: dict, unread: str | None)
     return text
 
 
+def optimizer_not_saved(resumed) -> bool:
+    """The resumed run stopped where DCP found no optimizer state in the checkpoint."""
+    f = resumed.failure if resumed is not None and resumed.crashed else None
+    return bool(f and "Missing key in checkpoint state_dict: app.optim" in (f.message or ""))
+
+
 def check_checkpoints(ctx, run, stop, resumed) -> None:
     rep = ctx.report
     if calls(run, "save_sharded_model") or calls(run, "dcp.save"):
@@ -425,6 +438,11 @@ def check_checkpoints(ctx, run, stop, resumed) -> None:
     elif not (folder / "best" / ".metadata").is_file():
         rep.fail(20, "no checkpoints/best: save_checkpoint('best', ...) where the validation "
                  "loss improves (save0 refuses sharded weights)")
+    elif optimizer_not_saved(resumed):
+        ctx.extra["optimizer_not_saved"] = True
+        rep.fail(20, "the checkpoint holds no optimizer state, so a resumed AdamW would start "
+                 "its moments from zero: save_sharded_model(model, optimizer, folder, "
+                 "train_state)")
     else:
         rep.ok(20, "checkpoints/last and best are Distributed Checkpoint folders with their "
                "train_state")
@@ -493,6 +511,10 @@ def check_resume(ctx, stop, resumed, ref) -> None:
         if ctx.extra.get("wrong_global_batch") and f and "global batch" in f.message:
             rep.waits(21, "resume_position refuses the checkpoint's global batch "
                       "(fix TODO 20 above first)")
+            return
+        if ctx.extra.get("optimizer_not_saved"):
+            rep.waits(21, "the checkpoint has no optimizer state to load (fix TODO 20 above "
+                      "first)")
             return
         missing = ctx.extra.get("missing_keys") or []
         unread = key_not_saved(ctx, resumed)

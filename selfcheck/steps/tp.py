@@ -630,6 +630,12 @@ def check_fsdp(ctx, run) -> None:
                  "fully_shard every block, then the root, on mesh['dp']")
     elif not any("dp" in names.split(",") for names in used):
         rep.fail(29, "FSDP does not shard over the dp dim: fully_shard(..., mesh=mesh['dp'])")
+    # (not after a crash: one inside a forward leaves FSDP's gathered parameters in the
+    # model's place, which no optimizer holds)
+    elif r0.get("optimizer_holds_model") is False and not run.crashed:
+        rep.fail(29, "the optimizer was made before apply_tp and fully_shard: it holds the "
+                 "parameters they replaced, so the model never changes; make the optimizer "
+                 "after fully_shard(model, ...)")
     else:
         rep.ok(29, "every block and the root are fully_shard-ed on the dp mesh")
 
