@@ -1599,6 +1599,8 @@ MISTAKES = [
     # ---- found by trying new mistakes on the check (2026-11-28) ---------------------------
     ("ddp", DDP, "the training sampler without the run's seed", 3,
      [("shuffle=True, seed=args.seed, drop_last=True)", "shuffle=True, drop_last=True)")]),
+    ("ddp", DDP, "the training sampler left to its defaults for shuffle and seed", 3,
+     [("shuffle=True, seed=args.seed, drop_last=True)", "drop_last=True)")]),
     ("ddp", DDP, "DistributedEvalSampler for the training split", 3,
      [("train_sampler = DistributedSampler(train_ds, num_replicas=world_size, rank=rank,\n"
        "                                       shuffle=True, seed=args.seed, drop_last=True)",
@@ -1638,6 +1640,7 @@ MISTAKES = [
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
     "the training sampler without the run's seed": ("seed=args.seed",),
+    "the training sampler left to its defaults for shuffle and seed": ("seed=args.seed",),
     "DistributedEvalSampler for the training split": ("DistributedSampler(train_ds",),
     "the model wrapped in DDP twice": ("twice", "wrap the model once"),
     "the loss averaged over the ranks before backward": ("the rank's own loss",),
@@ -1995,6 +1998,7 @@ MESSAGES = {
 ONLY_FIXED = {
     # found by trying new mistakes on the check (2026-11-28): the cause, not its consequences
     "the training sampler without the run's seed": {3},
+    "the training sampler left to its defaults for shuffle and seed": {3},
     "DistributedEvalSampler for the training split": {3},
     "the model wrapped in DDP twice": {5},
     "the loss averaged over the ranks before backward": {7},

@@ -494,7 +494,8 @@ def check_training_shards(ctx, run, todo_sampler, todo_loader, replicas, replica
             problems.append((todo_sampler, "the training sampler has shuffle=False: it must "
                              "shuffle (shuffle=True, seed=args.seed)"))
             break
-        if given.get("shuffle") and "seed" not in given:  # (the check's runs use seed 0 too)
+        # (shuffle is on by default; the check's runs use seed 0, the sampler's default)
+        if given.get("shuffle") is not False and "seed" not in given:
             problems.append((todo_sampler, "the training sampler shuffles with its own seed, "
                              "0, whatever --seed says: every run reads the data in one order; "
                              "DistributedSampler(..., shuffle=True, seed=args.seed, ...)"))
