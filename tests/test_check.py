@@ -313,6 +313,17 @@ def test_tokens_per_s_two_steps_apart_must_agree_with_the_course_monitors(printe
         assert len(said) == 1 and verdict in said[0] and "--log-every 2" in said[0], said
 
 
+@pytest.mark.parametrize("args, kwargs, passed", [
+    ([{"type": "TransformerLM"}, {"str": "bf16"}, True], {}, True),
+    ([{"type": "TransformerLM"}], {"precision": {"str": "bf16"}}, True),
+    ([{"type": "TransformerLM"}], {"dtype": {"type": "dtype"}}, True),  # a name of their own
+    ([{"type": "TransformerLM"}], {"reshard_after_forward": True}, False),
+    ([{"type": "TransformerLM"}], {}, False)])
+def test_apply_fsdp_hands_on_the_precision_by_position_keyword_or_value(args, kwargs, passed):
+    from selfcheck.steps import fsdp
+    assert fsdp.passes_precision({"args": args, "kwargs": kwargs}) is passed
+
+
 def test_a_todo_not_checked_points_to_the_fix_above_or_below_it():
     from selfcheck.report import Report
     report = Report({1: "a", 2: "b", 3: "c"}, {1: "edited", 2: "edited", 3: "edited"})

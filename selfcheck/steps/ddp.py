@@ -74,8 +74,7 @@ def check(ctx) -> None:
                 "the training sampler is a DistributedEvalSampler, which neither shuffles nor "
                 "takes an epoch: training takes torch's DistributedSampler(train_ds, ..., "
                 "shuffle=True, seed=args.seed, drop_last=True)"))
-        elif "does not require grad" in (run.failure.message or "") and \
-                calls(run, "all_reduce_mean"):
+        elif averaged_before_backward(run):
             report_crash(ctx, run, todo=7, cause=(
                 "backward got the averaged loss: all_reduce_mean returns a copy without "
                 "gradient, for the log only; backward takes the rank's own loss (DDP averages "
@@ -297,10 +296,17 @@ def loss_made_a_number(ctx, f) -> bool:
 def eval_sampler_trains(run) -> bool:
     """The training DataLoader's sampler is a DistributedEvalSampler, and set_epoch stopped
     the run on it (set_epoch on the validation sampler stops it the same way: TODO 6)."""
-    first = run.ranks[0] or {}
-    return "'DistributedEvalSampler' object has no attribute 'set_epoch'" in (
-        run.failure.message or "") and (train_sampler(first) or {}).get(
-        "kind") == "DistributedEvalSampler"
+    message = run.failure.message if run.failure else ""
+    sampler = train_sampler(run.ranks[0] or {}) or {}
+    return "'DistributedEvalSampler' object has no attribute 'set_epoch'" in message and \
+        sampler.get("kind") == "DistributedEvalSampler"
+
+
+def averaged_before_backward(run) -> bool:
+    """backward stopped on a loss without gradient after all_reduce_mean had run: the loss
+    was averaged over the ranks (a copy for the log) before backward, not after."""
+    message = run.failure.message if run.failure else ""
+    return "does not require grad" in message and bool(calls(run, "all_reduce_mean"))
 
 
 def swapped_sampler_arguments(run) -> str | None:

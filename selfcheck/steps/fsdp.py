@@ -104,9 +104,9 @@ def check_bf16_policy(ctx, bf16) -> None:
     rep = ctx.report
     units = bf16.ranks[0].get("fsdp") if bf16.ranks and bf16.ranks[0] else None
     problem = policy_problem(units) if units else None
-    given = [c for c in bf16.ranks[0].get("own_calls", {}).get("apply_fsdp", [])] \
-        if bf16.ranks and bf16.ranks[0] else []
-    if problem and given and len(given[0]["args"]) < 2 and "precision" not in given[0]["kwargs"]:
+    calls_made = (bf16.ranks[0] or {}).get("own_calls", {}).get("apply_fsdp", []) \
+        if bf16.ranks else []
+    if problem and calls_made and not passes_precision(calls_made[0]):
         # apply_fsdp may be right: its caller left the precision to its default
         rep.fail(19, "apply_fsdp is called without the precision, so --precision bf16 "
                  "shards fp32 weights: apply_fsdp(model, args.precision, "
@@ -121,6 +121,14 @@ def check_bf16_policy(ctx, bf16) -> None:
     elif problem == "":  # (None: FSDP's internals did not say, nothing to judge)
         rep.ok(18, "with --precision bf16 every unit gathers bf16 weights and sums gradients in "
                "fp32, and the root returns fp32 logits")
+
+
+def passes_precision(call) -> bool:
+    """Whether a recorded apply_fsdp call of the bf16 run hands on a precision: a second
+    argument, a keyword precision=, or the run's bf16 (or a dtype) under a name of its own."""
+    others = [*call["args"][1:], *call["kwargs"].values()]
+    return len(call["args"]) > 1 or "precision" in call["kwargs"] or any(
+        v in ({"str": "bf16"}, {"type": "dtype"}) for v in others)
 
 
 def policy_problem(units) -> str | None:
