@@ -7,6 +7,8 @@ Prints a table; asserts nothing.
     python benchmarks/bench_perf_ladder.py --rows 11,nodrop,model+nodrop --kernels 11
         # the last row against dropout 0 and, with it, the whole model compiled; where the
         # last row's GPU time goes, by kind of kernel (a GPU)
+    python benchmarks/bench_perf_ladder.py --rows 11,model+nodrop+b256,model+nodrop+b256+tune
+        # the best combination measured, and with compile's kernels tuned (modded-nanogpt)
     python benchmarks/bench_perf_ladder.py --rows 11,fusedhead,bf16params --kernels fusedhead
         # two things for the memory-bound half of the step, not in the lesson: llm.c's fused
         # classifier and torchtitan's bf16 parameters (below); on an H200 +3 % and 0.63x
@@ -67,6 +69,7 @@ class Setting:
     vocab: int | None = None     # None: --vocab
     head: str = "logits"         # logits | fused (fused_classifier_loss: no logits kept)
     params: str = "fp32"         # fp32 (autocast) | bf16 (FSDP2's MixedPrecisionPolicy)
+    tuning: bool = False         # inductor's coordinate-descent tuning of its own kernels
 
 
 def ladder(batch: int, big: int) -> list[Setting]:
@@ -100,7 +103,18 @@ EXTRA = {  # one change against the ladder's last row (what else the lesson ment
     # of the step goes"), measured here before the lesson teaches them:
     "fusedhead": dict(head="fused"),    # llm.c's fused classifier: the loss's gradient at once
     "bf16params": dict(params="bf16"),  # torchtitan's bf16 compute: bf16 activations throughout
+    # compile tries more block sizes for the kernels it writes (modded-nanogpt's setting)
+    "tune": dict(tuning=True),
+    "b512": dict(batch=512),
 }
+
+
+def compiler_settings(s: Setting):
+    """torch.compile's settings for one row, undone after it (they are read as it compiles)."""
+    if not s.tuning:
+        return contextlib.nullcontext()
+    import torch._inductor.config as inductor
+    return inductor.patch(coordinate_descent_tuning=True)
 
 
 def attention_context(kind: str):
@@ -419,8 +433,9 @@ def main():
     results, base = [], None
     for s in rows:
         try:
-            r = run(s, args.preset, device, args.vocab, args.warmup, args.steps, ceilings,
-                    kernels=s.label in kernel_rows)
+            with compiler_settings(s):
+                r = run(s, args.preset, device, args.vocab, args.warmup, args.steps, ceilings,
+                        kernels=s.label in kernel_rows)
         except Exception as e:  # noqa: BLE001 - one failing setting must not lose the others
             traceback.print_exc(file=sys.stdout)
             print(f"| {s.label} | failed: {type(e).__name__}: {str(e).splitlines()[0][:120]} |",

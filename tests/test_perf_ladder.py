@@ -128,6 +128,20 @@ def test_the_fused_classifier_trains_like_the_compiled_loss_and_compiles_once(be
                                atol=0)
 
 
+def test_compiles_kernel_tuning_is_on_for_its_own_row_only_and_trains_like_the_last_setting(
+        bench, fp32_losses):
+    import torch._inductor.config as inductor
+    (tuned,) = bench.chosen_rows(bench.ladder(32, 128), "model+nodrop+b512+tune")
+    assert (tuned.compile, tuned.dropout, tuned.batch, tuned.tuning) == ("model+loss", 0.0, 512,
+                                                                         True)
+    assert not inductor.coordinate_descent_tuning
+    with bench.compiler_settings(tuned):
+        assert inductor.coordinate_descent_tuning
+        losses = tiny_row(bench, "fp32+nodrop+tune")
+    assert not inductor.coordinate_descent_tuning
+    torch.testing.assert_close(losses, fp32_losses, rtol=1e-5, atol=0)
+
+
 def test_bf16_parameters_train_within_bf16_of_fp32_and_compile_once(bench, fp32_losses,
                                                                      one_process_group):
     torch.testing.assert_close(tiny_row(bench, "bf16params+nodrop"), fp32_losses, rtol=2e-2,
