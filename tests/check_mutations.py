@@ -269,6 +269,9 @@ MISTAKES = [
     ("fsdp", FSDP, "gradients summed in bf16 (no reduce_dtype)", 18,
      [("policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
        "policy = dict(param_dtype=torch.bfloat16)")]),
+    ("fsdp", FSDP, "fp16 for bf16 in the policy (float16 gathered and summed)", 18,
+     [("policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
+       "policy = dict(param_dtype=torch.float16, reduce_dtype=torch.float16)")]),
     ("fsdp", FSDP, "model.layers iterated (its names, not its blocks)", 18,
      [("    for block in model.layers.values():\n        fully_shard(block,",
        "    for block in model.layers:\n        fully_shard(block,")]),
@@ -1786,6 +1789,8 @@ MESSAGES = {
         "the blocks gather fp32 weights", "reduce_dtype=torch.float32"),
     "the root's logits left in bf16 (no output_dtype)": ("output_dtype=torch.float32",),
     "gradients summed in bf16 (no reduce_dtype)": ("summed in bf16",),
+    "fp16 for bf16 in the policy (float16 gathered and summed)": (
+        "every unit gathers fp16 weights", "loss scaling", "param_dtype=torch.bfloat16"),
     "model.layers iterated (its names, not its blocks)": ("model.layers.values()",),
     "the loss history saved as tensors": ("JSON", "loss.item()"),
     "the microbatches' losses summed": ("the sum of the microbatches' losses",),
@@ -2088,6 +2093,7 @@ ONLY_FIXED = {
     "the bf16 policy given to the root only (the blocks gather fp32)": {18},
     "the root's logits left in bf16 (no output_dtype)": {18},
     "gradients summed in bf16 (no reduce_dtype)": {18},
+    "fp16 for bf16 in the policy (float16 gathered and summed)": {18},
     # ranks trained on the wrong data: the losses and weights differ from one process's, and
     # TODO 7 and 10 wait (they were FIX lines before)
     "every rank's sampler seeded with its rank (the shards overlap)": {3},

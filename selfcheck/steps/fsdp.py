@@ -139,21 +139,32 @@ def policy_problem(units) -> str | None:
     policies = [*units["precision"], units["root_precision"]]
     policy = ("mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, "
               "reduce_dtype=torch.float32)")
-    gathered = [p[0] for p in policies]
+    # an unset param_dtype gathers the weights' own fp32, an unset reduce_dtype sums in it
+    gathered = [p[0] or "float32" for p in policies]
     if any(d != "bfloat16" for d in gathered):
         blocks_right, root_right = set(gathered[:-1]) == {"bfloat16"}, gathered[-1] == "bfloat16"
         which = "the root" if blocks_right else "the blocks" if root_right else "every unit"
-        return (f"with --precision bf16 {which} gather{'' if which == 'the blocks' else 's'} fp32 "
-                f"weights (twice the traffic of bf16): every fully_shard call, blocks and root, "
-                f"takes {policy}")
+        wrong = sorted({d for d in gathered if d != "bfloat16"})
+        why = ("twice the traffic of bf16" if wrong == ["float32"] else
+               "fp16's small range needs loss scaling, bf16's does not")
+        return (f"with --precision bf16 {which} gather{'' if which == 'the blocks' else 's'} "
+                f"{' and '.join(map(short_dtype, wrong))} weights ({why}): every fully_shard "
+                f"call, blocks and root, takes {policy}")
     if any(p[1] != "float32" for p in policies):
-        return ("with --precision bf16 the gradients are summed in bf16 (the policy's "
-                f"reduce_dtype is unset or bf16): many ranks' gradients lose digits; {policy}")
+        summed = sorted({p[1] or p[0] or "float32" for p in policies if p[1] != "float32"})
+        return (f"with --precision bf16 the gradients are summed in "
+                f"{' and '.join(map(short_dtype, summed))} (the policy's reduce_dtype is unset "
+                f"or not fp32): many ranks' gradients lose digits; {policy}")
     if units["root_precision"][2] != "float32":
         return ("with --precision bf16 the root returns bf16 logits: the loss over the "
                 "vocabulary is computed from rounded logits; the root's policy also takes "
                 "output_dtype=torch.float32")
     return ""
+
+
+def short_dtype(name: str) -> str:
+    """fp32, bf16, fp16 for the dtype names FSDP's policies are recorded with."""
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(name, name)
 
 
 def reshard_given(record) -> list:
