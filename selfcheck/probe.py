@@ -937,7 +937,11 @@ def describe_fsdp(m):
     from torch.distributed.tensor import DTensor
     # a block's unit may be the block inside its checkpoint_wrapper
     layers = [b if isinstance(b, FSDPModule) else unwrapped(b) for b in m.layers.values()]
-    if not isinstance(m, FSDPModule) and not any(isinstance(b, FSDPModule) for b in layers):
+    # units inside the blocks (their attention or MLP sharded instead of the block)
+    inner = [f"layers.{name}" for name, sub in m.layers.named_modules()
+             if name and isinstance(sub, FSDPModule) and not any(sub is b for b in layers)]
+    if not isinstance(m, FSDPModule) and not any(isinstance(b, FSDPModule) for b in layers) \
+            and not inner:
         return None
     plain = [n for n, p in m.named_parameters() if not isinstance(p, DTensor)]
 
@@ -964,6 +968,7 @@ def describe_fsdp(m):
     root = unit(m) if isinstance(m, FSDPModule) else (None, None)
     return {"blocks": [isinstance(b, FSDPModule) for b in layers],
             "root": isinstance(m, FSDPModule), "all_dtensor": not plain, "plain": plain,
+            "inner": inner,
             "reshard_after_forward": [flag for flag, _ in blocks],
             "offload": [policy for _, policy in blocks], "root_offload": root[1],
             "precision": [precision(b) if isinstance(b, FSDPModule) else None

@@ -272,6 +272,13 @@ MISTAKES = [
     ("fsdp", FSDP, "fp16 for bf16 in the policy (float16 gathered and summed)", 18,
      [("policy = dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)",
        "policy = dict(param_dtype=torch.float16, reduce_dtype=torch.float16)")]),
+    ("fsdp", FSDP, "each block's attention and MLP sharded instead of the block", 18,
+     [("    for block in model.layers.values():\n        fully_shard(block, "
+       "reshard_after_forward=reshard_after_forward,\n"
+       "                    mp_policy=MixedPrecisionPolicy(**policy))\n",
+       "    for block in model.layers.values():\n        for part in (block.attn, block.mlp):\n"
+       "            fully_shard(part, reshard_after_forward=reshard_after_forward,\n"
+       "                        mp_policy=MixedPrecisionPolicy(**policy))\n")]),
     ("fsdp", FSDP, "model.layers iterated (its names, not its blocks)", 18,
      [("    for block in model.layers.values():\n        fully_shard(block,",
        "    for block in model.layers:\n        fully_shard(block,")]),
@@ -1434,6 +1441,10 @@ MISTAKES = [
     ("memory", MEM, "offload keeps the gathered weights", 56,
      [('options = dict(reshard_after_forward=layout != "zero2")',
        'options = dict(reshard_after_forward=layout == "zero3")')]),
+    ("memory", MEM, "each block's attention and MLP sharded instead of the block", 56,
+     [("    for block in model.layers.values():\n        fully_shard(block, **options)\n",
+       "    for block in model.layers.values():\n        fully_shard(block.attn, **options)\n"
+       "        fully_shard(block.mlp, **options)\n")]),
     ("memory", MEM, "only the root sharded", 56,
      [("    for block in model.layers.values():\n        fully_shard(block, **options)\n", "")]),
     ("memory", MEM, "the ModuleDict of blocks sharded as one", 56,
@@ -1789,6 +1800,8 @@ MESSAGES = {
         "the blocks gather fp32 weights", "reduce_dtype=torch.float32"),
     "the root's logits left in bf16 (no output_dtype)": ("output_dtype=torch.float32",),
     "gradients summed in bf16 (no reduce_dtype)": ("summed in bf16",),
+    "each block's attention and MLP sharded instead of the block": (
+        "parts of the blocks (layers.0.attn, layers.0.mlp", "fully_shard(block, ...)"),
     "fp16 for bf16 in the policy (float16 gathered and summed)": (
         "every unit gathers fp16 weights", "loss scaling", "param_dtype=torch.bfloat16"),
     "model.layers iterated (its names, not its blocks)": ("model.layers.values()",),

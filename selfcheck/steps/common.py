@@ -814,3 +814,12 @@ def calls(run, name, rank=None):
 
 
 TOKENS_PER_SAMPLE = SEQ_LEN
+
+
+def inner_units(units) -> str:
+    """What FSDP units inside the blocks, in place of the blocks, cost."""
+    inner = units["inner"]
+    named = ", ".join(inner[:3]) + (", ..." if len(inner) > 3 else "")
+    return (f"the FSDP units are parts of the blocks ({named}), not the blocks: "
+            f"{len(inner)} smaller all-gathers where {len(units['blocks'])} would do, and the "
+            "blocks' other parameters (layer norms) fall to the root's unit")

@@ -21,7 +21,7 @@ from selfcheck.compare import (first_difference, first_different_tensor, load_ch
                                near)
 from selfcheck.runs import ONE, TWO_NODES, Run
 from selfcheck.steps.common import (calls, check_eval_exact, check_imports, check_losses,
-                                    check_weights_file, crash_todo, report_crash)
+                                    check_weights_file, crash_todo, inner_units, report_crash)
 
 FILE = "train/fsdp_training.py"
 WHAT = "FSDP2: fully_shard, sharded checkpoints, resume, full export"
@@ -203,6 +203,9 @@ def check_sharding(ctx, run, stop, ref) -> None:
     blocks, root = units["blocks"], units["root"]
     if all(blocks) and root:
         rep.ok(18, f"every block ({len(blocks)}) and the root are FSDP units")
+    elif units.get("inner") and not any(blocks):
+        rep.fail(18, inner_units(units) + ": fully_shard(block, ...) on every block in "
+                 "model.layers.values(), then fully_shard(model, ...)")
     elif root and not any(blocks):
         rep.fail(18, "only the root is sharded, one FSDP unit for the whole model: call "
                  "fully_shard(block, ...) on every block in model.layers.values() before "

@@ -26,7 +26,7 @@ import types
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
 from selfcheck.runs import ONE, TWO_NODES, Run
-from selfcheck.steps.common import check_losses, crash_todo, report_crash
+from selfcheck.steps.common import check_losses, crash_todo, inner_units, report_crash
 
 FILE = "train/memory_training.py"
 WHAT = "memory: activation checkpointing, FSDP2 layouts and offload, ZeRO-1, accumulation"
@@ -496,6 +496,10 @@ def check_fsdp(ctx, key, run, ref) -> None:
                  "fully_shard each block of model.layers, then the whole model")
         return
     plain = [i for i, is_unit in enumerate(units["blocks"]) if not is_unit]
+    if units.get("inner") and len(plain) == len(units["blocks"]):
+        fail(rep, FSDP, f"with {flags(key)} {inner_units(units)}: fully_shard(block, ...) for "
+             "every block of model.layers, then fully_shard(model, ...)")
+        return
     if plain:
         which = ("no block is" if len(plain) == len(units["blocks"])
                  else f"block(s) {plain} are not")
