@@ -6,10 +6,12 @@ the GPUs asked for), and runs the file with bash. Stand-ins on PATH record what 
     scontrol   prints the job's node names, one line at a time (as a big job's list arrives:
                a reader that stops early, `head -n 1`, kills it with SIGPIPE)
     nslookup   answers the InfiniBand names <node>i it was given, NXDOMAIN for the rest
+    getent     the same names (getent hosts NAME), "not found" for the rest
     srun       starts its command once per task on every node (SLURM_NODEID, SLURM_PROCID, ...)
     torchrun   records its arguments and how many processes it would start (gpu: the GPUs
                visible to it), starts nothing
-    python     records its arguments (a process srun starts directly)
+    python     records its arguments (a process srun starts directly); python -m
+               torch.distributed.run is torchrun
     nsys       records its arguments, writes the report (refusing to overwrite one without
                --force-overwrite=true, as nsys does), then records the program it wraps
 Every record is one JSON line in the job's launch log: `Job.launches`.
@@ -53,8 +55,12 @@ def option(names, default=None, words=None):
     return default
 
 nodes = env["FAKE_NODES"].split()
+if name == "python" and args[:2] == ["-m", "torch.distributed.run"]:
+    name, args = "torchrun", args[2:]  # torchrun's own module: the same program
 if name == "scontrol":
-    if args[:2] == ["show", "hostnames"]:
+    # scontrol takes a prefix of a subcommand of 5 letters or more: show hostname(s)
+    if len(args) > 1 and args[0] == "show" and len(args[1]) >= 5 and \
+            "hostnames".startswith(args[1].lower()):
         try:
             for n in nodes:
                 sys.stdout.write(n + "\n")
@@ -71,6 +77,16 @@ if name == "nslookup":
         sys.exit(0)
     print(f"** server can't find {host}: NXDOMAIN")
     sys.exit(1)
+if name == "getent":  # getent hosts|ahosts NAME: the same names through the resolver
+    dns = dict(e.split("=", 1) for e in env.get("FAKE_DNS", "").split() if "=" in e)
+    host = args[-1] if len(args) > 1 else ""
+    if host not in dns or args[0] not in ("hosts", "ahosts", "ahostsv4"):
+        sys.exit(2)  # getent's "not found"
+    if args[0] == "hosts":
+        print(f"{dns[host]:<15} {host}")
+    else:
+        print(f"{dns[host]:<15} STREAM {host}\n{dns[host]:<15} DGRAM\n{dns[host]:<15} RAW")
+    sys.exit(0)
 if name == "srun":
     i = 0
     words = []
@@ -138,7 +154,7 @@ if name == "python":
     sys.exit(0)
 sys.exit(0)
 '''
-STANDINS = ("scontrol", "nslookup", "srun", "torchrun", "python", "nsys")
+STANDINS = ("scontrol", "nslookup", "getent", "srun", "torchrun", "python", "nsys")
 
 
 @dataclass

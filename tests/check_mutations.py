@@ -234,6 +234,18 @@ MISTAKES = [
     ("sbatch", SBATCH, "CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS before the site profile is sourced", 12,
      [("export CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n", ""),
       ("set -euo pipefail\n", "set -euo pipefail\nexport CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS\n")]),
+    ("sbatch", SBATCH, "the port the job id modulo 65536 (below 1024 for some ids)", 14,
+     [("$((20000 + SLURM_JOB_ID % 10000))", "$((SLURM_JOB_ID % 65536))")]),
+    ("sbatch", SBATCH, "the port 20000 + the job id modulo 50000 (above 65535 for some ids)", 14,
+     [("$((20000 + SLURM_JOB_ID % 10000))", "$((20000 + SLURM_JOB_ID % 50000))")]),
+    ("sbatch", SBATCH, "the endpoint's port written out (MASTER_PORT unused)", 14,
+     [('--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_endpoint="$MASTER_ADDR:29500"')]),
+    ("sbatch", SBATCH, "a static rendezvous (--node_rank, --master_addr) for c10d", 15,
+     [('    --rdzv_backend=c10d --rdzv_id="$SLURM_JOB_ID" \\\n'
+       '    --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \\\n'
+       '    --rdzv_conf=is_host=$(( SLURM_NODEID == 0 ? 1 : 0 )) \\\n',
+       '    --node_rank="$SLURM_NODEID" \\\n'
+       '    --master_addr="$MASTER_ADDR" --master_port="$MASTER_PORT" \\\n')]),
     # ---- FSDP --------------------------------------------------------------------------
     ("fsdp", FSDP, "fully_shard not imported", 17,
      [("from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard",
@@ -1870,6 +1882,13 @@ MESSAGES = {
     "world_size = 1 left after setup": ("still 1 after setup()",
                                         "delete the line `world_size = 1`"),
     "world_size from LOCAL_WORLD_SIZE (1 on each of two nodes)": ("take world_size from setup()",),
+    "the port the job id modulo 65536 (below 1024 for some ids)": (
+        "port 0 for job", "only root may listen below 1024"),
+    "the port 20000 + the job id modulo 50000 (above 65535 for some ids)": (
+        "port 67024 for job", "the last port is 65535"),
+    "the endpoint's port written out (MASTER_PORT unused)": (
+        "the endpoint uses port 29500", '--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"'),
+    "a static rendezvous (--node_rank, --master_addr) for c10d": ("static rendezvous",),
     "CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS before the site profile is sourced": (
         "SITE_GPU_IDS comes from the site profile", "after `source sites/job.sh`"),
     "$SITE_GPU_IDS used before the site profile is sourced": (
@@ -2014,6 +2033,8 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # 13 and 14 read the static rendezvous's --master_addr and --master_port
+    "a static rendezvous (--node_rank, --master_addr) for c10d": {15},
     # found by trying new mistakes on the check (2026-11-28): the cause, not its consequences
     "the training sampler without the run's seed": {3},
     "the training sampler left to its defaults for shuffle and seed": {3},
@@ -2245,6 +2266,13 @@ CORRECT = [
      [("--nproc_per_node=", "--nproc-per-node="), ("--rdzv_backend=", "--rdzv-backend="),
       ("--rdzv_id=", "--rdzv-id="), ("--rdzv_endpoint=", "--rdzv-endpoint="),
       ("--rdzv_conf=", "--rdzv-conf=")]),
+    ("sbatch", SBATCH, "torchrun started as python -m torch.distributed.run",
+     [("bash -c 'exec torchrun \\", "bash -c 'exec python -m torch.distributed.run \\")]),
+    ("sbatch", SBATCH, "scontrol show hostname (scontrol takes the prefix)",
+     [('scontrol show hostnames "$SLURM_JOB_NODELIST"', 'scontrol show hostname "$SLURM_JOB_NODELIST"')]),
+    ("sbatch", SBATCH, "the InfiniBand address from getent hosts",
+     [("""nslookup "${MASTER_ADDR}${SITE_IB_SUFFIX}" 2>/dev/null | awk '/^Address: / && !n++ {print $2}'""",
+       """getent hosts "${MASTER_ADDR}${SITE_IB_SUFFIX}" | awk '!n++ {print $1}'""")]),
     ("fsdp", FSDP, "apply_fsdp with a loop over named children",
      [("    for block in model.layers.values():\n",
        "    for _, block in model.layers.named_children():\n")]),

@@ -22,8 +22,9 @@ TODOS = {12: "GPUs", 13: "master address", 14: "port", 15: "torchrun per node", 
 GPUS_PER_NODE = 4
 SCRIPT = "train/to_distributed_training.py"
 # Job ids as large as real ones (JSC's have 8 digits): a port computed from the id must stay
-# below 65536 for them too
-JOB_IDS = ("13377421", "13377422")
+# within 1024-65535 for them too. The second is a multiple of 65536 whose remainder by 50,000
+# is above 45,535: a port of id % 65536 (0) or 20000 + id % 50000 (67024) shows there
+JOB_IDS = ("13377421", "13697024")
 # What a CPU-only node's job sets (the TODO's "a number runs on CPU-only nodes"): the one-node
 # run gets it, so a torchrun that ignores it shows
 NPROC_SET = "2"
@@ -151,7 +152,7 @@ def check_preset_port(ctx) -> None:
     job = slurm.submit(ctx.script, ctx.work, nodes=1, job_id=JOB_IDS[1], dns=False,
                        env_extra={"NPROC_PER_NODE": NPROC_SET, "MASTER_PORT": PRESET_PORT})
     runs = job.of("torchrun")
-    port = split_endpoint(arg(runs[0]["args"], "--rdzv_endpoint") or "")[1] if runs else None
+    port = split_endpoint(endpoint_of(runs[0]["args"]) or "")[1] if runs else None
     if job.returncode == 0 and port is not None and port != PRESET_PORT:
         rep.fail(14, f"with MASTER_PORT={PRESET_PORT} set before the job, the job uses port "
                  f"{port}: keep a port that is set already, export MASTER_PORT="
@@ -189,7 +190,8 @@ def check_visible(ctx, job) -> None:
     else:
         rep.fail(12, f"the processes see {len(visible)} GPU(s) (CUDA_VISIBLE_DEVICES="
                  f"{env.get('CUDA_VISIBLE_DEVICES', 'unset')}): export "
-                 "CUDA_VISIBLE_DEVICES=0,1,2,3")
+                 "CUDA_VISIBLE_DEVICES=$SITE_GPU_IDS (the site's list of a node's GPUs, 0,1,2,3 "
+                 "here)")
 
 
 def arg(words, name):
@@ -271,6 +273,16 @@ def check_geometry(ctx, job, one) -> None:
         rep.ok(15, f"one torchrun on each of the {n_nodes} nodes, {GPUS_PER_NODE} processes each")
 
 
+def endpoint_of(words) -> str | None:
+    """Where torchrun's nodes meet: --rdzv_endpoint, or a static rendezvous's --master_addr and
+    --master_port."""
+    endpoint = arg(words, "--rdzv_endpoint")
+    if endpoint is None and arg(words, "--master_addr") is not None:
+        port = arg(words, "--master_port")
+        endpoint = arg(words, "--master_addr") + (f":{port}" if port else "")
+    return endpoint
+
+
 def split_endpoint(endpoint: str) -> tuple[str, str]:
     """(host, port) of host:port; a host alone has no port (not an empty host)."""
     host, colon, port = endpoint.rpartition(":")
@@ -283,9 +295,13 @@ def check_rendezvous(ctx, two, one) -> None:
     args0 = runs[0]["args"]
     backend = arg(args0, "--rdzv_backend")
     rdzv_id = {arg(e["args"], "--rdzv_id") for e in runs}
-    endpoints = {arg(e["args"], "--rdzv_endpoint") for e in runs}
+    endpoints = {endpoint_of(e["args"]) for e in runs}
     hosts = [arg(e["args"], "--rdzv_conf") or "" for e in runs]
-    if backend != "c10d":
+    if backend is None and arg(args0, "--master_addr") is not None:
+        rep.fail(15, "the nodes meet through a static rendezvous (--node_rank, --master_addr): "
+                 "the TODO's c10d rendezvous needs no node rank, --rdzv_backend=c10d "
+                 "--rdzv_id=\"$SLURM_JOB_ID\" --rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\"")
+    elif backend != "c10d":
         rep.fail(15, f"--rdzv_backend={backend}: the nodes meet through --rdzv_backend=c10d")
     elif rdzv_id != {JOB_IDS[0]}:
         rep.fail(15, f"--rdzv_id is {', '.join(sorted(map(str, rdzv_id)))} for job {JOB_IDS[0]}: "
@@ -323,7 +339,7 @@ def check_rendezvous(ctx, two, one) -> None:
                      "jrc0001i: MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" "
                      "| sed -n 1p), then nslookup \"${MASTER_ADDR}i\"")
     one_runs = one.of("torchrun")
-    one_end = arg(one_runs[0]["args"], "--rdzv_endpoint") if one_runs else None
+    one_end = endpoint_of(one_runs[0]["args"]) if one_runs else None
     if one_end and split_endpoint(one_end)[0] == one.nodes[0]:
         if not rep.failed(13):
             rep.ok(13, "without an InfiniBand name the plain host name is used")
@@ -334,14 +350,18 @@ def check_rendezvous(ctx, two, one) -> None:
     if not port.isdigit():
         rep.fail(14, f"no port in the rendezvous endpoint ({endpoint or 'none'}): "
                  "--rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\"")
-    elif not 1024 <= int(port) < 65536:
-        rep.fail(14, f"port {port} for job {JOB_IDS[0]} is outside 1024-65535 (job ids have 8 "
+    elif outside := [(job, p) for job, p in zip(JOB_IDS, (port, port1))
+                     if p.isdigit() and not 1024 <= int(p) < 65536]:
+        job, bad = outside[0]
+        why = "only root may listen below 1024" if int(bad) < 1024 else "the last port is 65535"
+        rep.fail(14, f"port {bad} for job {job} is outside 1024-65535 ({why}; job ids have 8 "
                  "digits): keep it in a free range, MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))")
+    elif env0.get("MASTER_PORT") not in (None, port):
+        rep.fail(14, f"MASTER_PORT={env0.get('MASTER_PORT')} but the endpoint uses port {port}: "
+                 "--rdzv_endpoint=\"$MASTER_ADDR:$MASTER_PORT\"")
     elif port == port1:
         rep.fail(14, f"jobs {JOB_IDS[0]} and {JOB_IDS[1]} both use port {port}: two jobs on one node would "
                  "collide; derive it from the job id, MASTER_PORT=$((20000 + SLURM_JOB_ID % 10000))")
-    elif env0.get("MASTER_PORT") not in (None, port):
-        rep.fail(14, f"MASTER_PORT={env0.get('MASTER_PORT')} but the endpoint uses {port}")
     else:
         rep.ok(14, f"the port ({port}) comes from the job id")
 
