@@ -728,7 +728,7 @@ def gradient_syncs(run, ref) -> tuple[int | None, float, str]:
         per_step = ref.ranks[0].get("allreduces", 0) / max(ref.summary["steps"], 1)
         return run.ranks[0].get("allreduces"), per_step, "DDP all-reduced the gradients"
     units = run.ranks[0].get("fsdp") or {}
-    per_step = sum(units.get("blocks", [])) + bool(units.get("root"))
+    per_step = sum(units.get("blocks", [])) + bool(units.get("root")) + len(units.get("inner", []))
     # (counted where the check asks: COUNT; none made, none counted)
     return run.ranks[0].get("reduce_scatters", 0), per_step, "FSDP reduce-scattered the gradients"
 
