@@ -963,6 +963,18 @@ MISTAKES = [
        "            throughput.step(x.numel() * world_size)\n"
        "            # Each rank's loss covers only its own batch: log the mean over all ranks.\n"
        "            step_loss = all_reduce_mean(loss.detach())\n")]),
+    ("pp", PP, "the bubble timer on the evaluation stage", 36,
+     [("    timer = StageBusyTimer(stage, device)", "    timer = StageBusyTimer(eval_stage, device)")]),
+    ("pp", PP, "timer.start_step() after schedule.step", 37,
+     [("            timer.start_step()\n            losses = []\n", "            losses = []\n"),
+      ("            idle_history.append(timer.idle_fraction())\n",
+       "            timer.start_step()\n            idle_history.append(timer.idle_fraction())\n")]),
+    ("pp", PP, "tokens counted on the last stage only (rank 0 reports none)", 38,
+     [("            throughput.step(x.numel())",
+       "            if stage.is_last:\n                throughput.step(x.numel())")]),
+    ("pp", PP, "the validation line printed on every rank", 40,
+     [('        print0(f"epoch {epoch} validation loss {val_loss:.4f}',
+       '        print(f"epoch {epoch} validation loss {val_loss:.4f}')]),
     # ---- the performance step ----------------------------------------------------------
     ("perf", PERF, "peak_flops and synchronize not imported", 41,
      [("from utils.metrics import peak_flops, synchronize\n", "")]),
@@ -1665,6 +1677,10 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the bubble timer on the evaluation stage": ("the timer wraps eval_stage", "StageBusyTimer(stage, device)"),
+    "timer.start_step() after schedule.step": ("recorded no computation", "right before schedule.step"),
+    "tokens counted on the last stage only (rank 0 reports none)": ("only rank 1 counts tokens", "on every rank"),
+    "the validation line printed on every rank": ("rank 1 prints too", "print0"),
     "the training sampler without the run's seed": ("seed=args.seed",),
     "the training sampler left to its defaults for shuffle and seed": ("seed=args.seed",),
     "DistributedEvalSampler for the training split": ("DistributedSampler(train_ds",),

@@ -731,6 +731,12 @@ def check_tokens(ctx, run, todo, tokens_per_step, how, prefix: str = "") -> None
     """Throughput.step gets the tokens of the whole step over all replicas. prefix: which run
     it was ("on two nodes (tp 1, dp 2) "), for a step that runs several."""
     counts = set(run.ranks[0].get("tokens", []))
+    others = [rank for rank, r in enumerate(run.ranks) if rank and r and r.get("tokens")]
+    if not counts and others:  # rank 0's monitor prints tokens/s: it must count them too
+        ctx.report.fail(todo, f"{prefix}only rank {' and '.join(map(str, others))} counts "
+                        "tokens, and rank 0, which prints tokens/s and MFU, counts none: "
+                        f"throughput.step on every rank, {how.rpartition(': ')[2]}")
+        return
     if not counts:
         return
     if counts == {tokens_per_step}:

@@ -16,8 +16,8 @@ import re
 from selfcheck.compare import near
 from selfcheck.runs import TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_reads, check_losses,
-                                    check_tokens, check_training_shards, check_weights_file,
-                                    report_crash, sampler_records)
+                                    check_prints_once, check_tokens, check_training_shards,
+                                    check_weights_file, report_crash, sampler_records)
 from selfcheck.steps.tp import report_lost_import
 
 FILE = "train/pp_training.py"
@@ -122,6 +122,7 @@ def check(ctx) -> None:
                      "last target=y and losses=losses; the optimizer steps after schedule.step")
     check_tokens(ctx, run, 38, BATCH * SEQ_LEN, "one pipeline trains on one batch per step: "
                  "throughput.step(x.numel())")
+    check_prints_once(ctx, run, 38, print_todo_for_line=True)
     evals = [c for r in records for c in r.get("schedule_calls", []) if c["kind"] == "eval"]
     if evals:
         rep.attempt(40)
@@ -410,16 +411,31 @@ def check_stages(ctx, run) -> bool:
         problems.append("no idle share measured: timer = StageBusyTimer(stage, device), "
                         "timer.start_step() before schedule.step and "
                         "idle_history.append(timer.idle_fraction()) after it")
+    idle = summary.get("idle_fraction_per_stage") or []
+    if not problems and idle and min(idle) > 0.999:
+        # no computation recorded inside a timed step: the timer wraps a stage that does not
+        # train, or its step starts after schedule.step
+        timer = re.search(r"StageBusyTimer\(\s*(\w+)", ctx.text)
+        if timer and timer.group(1) != "stage":
+            problems.append(f"the idle share is 100 % on every stage: the timer wraps "
+                            f"{timer.group(1)}, which does not train; StageBusyTimer(stage, "
+                            "device), the training stage")
+        else:
+            start = re.search(r"\.start_step\(", ctx.text)
+            line = ctx.text.count("\n", 0, start.start()) + 1 if start else None
+            rep.fail(ctx.todo_of(line) if line and ctx.todo_of(line) in rep.names else 37,
+                     "the idle share is 100 % on every stage: the timer recorded no computation "
+                     "in a training step; timer.start_step() right before schedule.step, "
+                     "idle_history.append(timer.idle_fraction()) right after it")
     if problems:
         rep.fail(36, problems[0])
     elif not rep.failed(36):
-        idle = summary.get("idle_fraction_per_stage")
         evaluation = built_schedules(records[0])[1]
         rep.ok(36, f"{len(records)} stages, a 1F1B schedule for training and "
                f"a {evaluation['kind'].removeprefix('Schedule')} one for evaluation, each on its "
                "own PipelineStage"
                + (f"; measured idle share per stage {' '.join(f'{f:.0%}' for f in idle)}"
-                  if idle else ""))
+                  if idle and min(idle) <= 0.999 else ""))
     return True
 
 
