@@ -1082,8 +1082,11 @@ def lesson_traces() -> dict:
     gpu += [ev("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel",
                900), ev("ampere_sgemm_128x64_tn", "kernel", 3000),
             ev("cudaLaunchKernel", "cuda_runtime", 5)]
-    return {"cpu": ({"traceEvents": cpu, "displayTimeUnit": "ms"}, 7e-3),
-            "gpu": ({"traceEvents": gpu, "displayTimeUnit": "ms"}, 1e-3)}
+    # a real trace names its processes and threads in metadata events, with no "cat" or "dur"
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "python"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 1, "args": {"name": "thread 1"}}]
+    return {"cpu": ({"traceEvents": meta + cpu, "displayTimeUnit": "ms"}, 7e-3),
+            "gpu": ({"traceEvents": meta + gpu, "displayTimeUnit": "ms"}, 1e-3)}
 
 
 def lesson_model(p: dict):

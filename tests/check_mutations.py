@@ -1436,6 +1436,9 @@ MISTAKES = [
       ("""    kernels = [e for e in events if e.get("cat") == "kernel" and "AllReduce" in e.get("name", "")]""",
        """    kernels = [e for e in events if "AllReduce" in e.get("name", "")
                or "all_reduce" in e.get("name", "")]""")]),
+    ("collectives", COLL, "the trace's events indexed e[\"cat\"] (metadata events have none)", 54,
+     [('kernels = [e for e in events if e.get("cat") == "kernel" and "AllReduce" in e.get("name", "")]',
+       'kernels = [e for e in events if e["cat"] == "kernel" and "AllReduce" in e["name"]]')]),
     # ---- memory ------------------------------------------------------------------------
     ("memory", MEM, "the whole model checkpointed as one piece", 55,
      [("    for name in list(model.layers):\n"
@@ -1677,6 +1680,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the trace's events indexed e[\"cat\"] (metadata events have none)": (
+        "KeyError: 'cat'", "e.get('cat')"),
     "the bubble timer on the evaluation stage": ("the timer wraps eval_stage", "StageBusyTimer(stage, device)"),
     "timer.start_step() after schedule.step": ("recorded no computation", "right before schedule.step"),
     "tokens counted on the last stage only (rank 0 reports none)": ("only rank 1 counts tokens", "on every rank"),

@@ -132,7 +132,8 @@ def predict_ddp_allreduce_s(model: torch.nn.Module, world_size: int, latency: fl
 # ---- what the profiler recorded ----
 def allreduce_seconds_per_step(trace: dict) -> float:
     """All-reduce time per training step in a torch.profiler trace (a Chrome trace: events with
-    "name", "cat" and "dur" in microseconds), as the performance step's --profile writes it."""
+    "name", "cat" and "dur" in microseconds, and metadata events without "cat" and "dur"), as
+    the performance step's --profile writes it."""
     events = trace["traceEvents"]
     # TODO 54: Add up the durations of the all-reduces and divide by the profiled steps (the
     # "ProfilerStep#N" events of category "user_annotation"; a GPU trace repeats them as

@@ -359,7 +359,10 @@ def returned(entry, todo, rep, what) -> object | None:
                               if todo == 53 else "read everything from the trace"))
         return None
     if "error" in entry:
-        rep.fail(todo, f"{what} raised {entry['error']}")
+        missing = re.match(r"KeyError: '(cat|dur|name)'", entry["error"])
+        rep.fail(todo, f"{what} raised {entry['error']}" + (
+            f" (a trace's metadata events have no {missing.group(1)!r}: "
+            f"e.get({missing.group(1)!r}) where it may be missing)" if missing else ""))
         return None
     return entry["value"]
 
@@ -522,8 +525,8 @@ def trace_reading(trace: dict, value: float) -> str | None:
     right_steps = sum(e.get("cat") == "user_annotation" for e in marks)
     copies = sum(e.get("cat") == "gpu_user_annotation" for e in marks)
     groups: dict[tuple, list] = {}
-    for e in events:
-        if not e.get("name", "").startswith("ProfilerStep#"):
+    for e in events:  # (metadata events have no duration: nothing to add up)
+        if not e.get("name", "").startswith("ProfilerStep#") and "dur" in e:
             groups.setdefault((e["name"], e.get("cat")), []).append(e["dur"])
     kernels = {k for k in groups if k[1] == "kernel" and "AllReduce" in k[0]}
     right = frozenset(kernels or {("gloo:all_reduce", "user_annotation")})
