@@ -1637,6 +1637,12 @@ MISTAKES = [
     ("memory", MEM, "DDP's no_sync() called, not entered", 58,
      [("        with model.no_sync():\n            yield\n",
        "        model.no_sync()\n        yield\n")]),
+    ("memory", MEM, "tokens counted per micro-batch (grad_accum left out)", 58,
+     [("throughput.step(x.numel() * world_size * args.grad_accum)",
+       "throughput.step(x.numel() * world_size)")]),
+    ("memory", MEM, "tokens counted on every micro-batch, each as a whole step", 58,
+     [("            micro_losses.append(loss.detach())\n            if not last:\n                continue\n            optimizer.step()\n            step += 1\n            throughput.step(x.numel() * world_size * args.grad_accum)\n",
+       "            micro_losses.append(loss.detach())\n            throughput.step(x.numel() * world_size * args.grad_accum)\n            if not last:\n                continue\n            optimizer.step()\n            step += 1\n")]),
     # ---- found by trying new mistakes on the check (2026-11-28) ---------------------------
     ("ddp", DDP, "the training sampler without the run's seed", 3,
      [("shuffle=True, seed=args.seed, drop_last=True)", "shuffle=True, drop_last=True)")]),
@@ -1680,6 +1686,9 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "tokens counted per micro-batch (grad_accum left out)": ("0.5 x", "args.grad_accum"),
+    "tokens counted on every micro-batch, each as a whole step": (
+        "once per micro-batch", "once per optimizer step"),
     "the trace's events indexed e[\"cat\"] (metadata events have none)": (
         "KeyError: 'cat'", "e.get('cat')"),
     "the bubble timer on the evaluation stage": ("the timer wraps eval_stage", "StageBusyTimer(stage, device)"),

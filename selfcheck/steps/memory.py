@@ -26,7 +26,8 @@ import types
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
 from selfcheck.runs import ONE, TWO_NODES, Run
-from selfcheck.steps.common import check_losses, crash_todo, inner_units, report_crash
+from selfcheck.steps.common import (SEQ_LEN, check_losses, crash_todo, inner_units,
+                                    report_crash)
 
 FILE = "train/memory_training.py"
 WHAT = "memory: activation checkpointing, FSDP2 layouts and offload, ZeRO-1, accumulation"
@@ -421,6 +422,27 @@ def check_promises(ctx, key, run, ref, runs) -> None:
         check_checkpointing(ctx, key, run, ref)
     if accum > 1:
         check_accumulation(ctx, key, run, ref, runs)
+        check_step_tokens(ctx, key, run)
+
+
+def check_step_tokens(ctx, key, run) -> None:
+    """One throughput.step per optimizer step, with the tokens of every micro-batch on every
+    rank: tokens/s and MFU are per step."""
+    counted = (run.ranks[0] or {}).get("tokens", []) if run.ranks else []
+    steps, want = run.summary.get("steps") or 0, WHOLE_BATCH * SEQ_LEN
+    how = ("once per optimizer step (after `if not last: continue`), "
+           "throughput.step(x.numel() * world_size * args.grad_accum)")
+    if not counted or not steps:
+        return
+    if len(counted) > steps:
+        fail(ctx.report, ACCUMULATION, f"with {flags(key)} throughput.step is called "
+             f"{len(counted)} times in {steps} steps, once per micro-batch: tokens/s counts "
+             f"every step {len(counted) / steps:g} times; {how}")
+    elif set(counted) != {want}:
+        got = max(counted)
+        fail(ctx.report, ACCUMULATION, f"with {flags(key)} throughput.step gets {got} tokens "
+             f"per step, a step trains on {want} ({got / want:g} x: every micro-batch of every "
+             f"rank); {how}")
 
 
 ZERO_WITH_FSDP = ("FSDP shards AdamW's state itself: a ZeroRedundancyOptimizer for --layout zero1 "
