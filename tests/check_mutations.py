@@ -972,6 +972,9 @@ MISTAKES = [
     ("pp", PP, "tokens counted on the last stage only (rank 0 reports none)", 38,
      [("            throughput.step(x.numel())",
        "            if stage.is_last:\n                throughput.step(x.numel())")]),
+    ("pp", PP, "the training's autocast written out as bf16", 37,
+     [("            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32",
+       '            with autocast("bf16", device):  # bf16 matmuls; the weights stay fp32')]),
     ("pp", PP, "the validation line printed on every rank", 40,
      [('        print0(f"epoch {epoch} validation loss {val_loss:.4f}',
        '        print(f"epoch {epoch} validation loss {val_loss:.4f}')]),
@@ -1686,6 +1689,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the training's autocast written out as bf16": (
+        "under autocast in bfloat16 in a run with --precision fp32", "autocast(args.precision"),
     "tokens counted per micro-batch (grad_accum left out)": ("0.5 x", "args.grad_accum"),
     "tokens counted on every micro-batch, each as a whole step": (
         "once per micro-batch", "once per optimizer step"),
@@ -2063,6 +2068,8 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # the logged losses and the weights wait for TODO 37; evaluation's autocast is right
+    "the training's autocast written out as bf16": {37},
     # each unit reduce-scatters once a step: the blocks' parts counted too (no FIX 58)
     "each block's attention and MLP sharded instead of the block": {18, 56},
     # 13 and 14 read the static rendezvous's --master_addr and --master_port

@@ -499,6 +499,11 @@ def check_schedule_calls(ctx, run) -> None:
         ctx.extra["pp_crash_explained"] = run.crashed  # (the ranks then wait apart)
         ctx.extra["pp_training_differs"] = True
         return
+    wrong_dtype = autocast_not_the_runs(run)
+    if wrong_dtype:
+        rep.fail(37, wrong_dtype)
+        ctx.extra["pp_training_differs"] = True
+        return
     if any(n.get("zero_grads_after_schedule") for n in counts):
         rep.fail(37, "the gradients are zeroed after schedule.step, before optimizer.step "
                  "(which then has no gradients to step with): move optimizer.zero_grad("
@@ -512,6 +517,20 @@ def check_schedule_calls(ctx, run) -> None:
                  "gradients to those .grad holds: without it every step trains on the sum of "
                  "the gradients of all steps so far)")
         ctx.extra["pp_training_differs"] = True
+
+
+def autocast_not_the_runs(run) -> str | None:
+    """schedule.step under an autocast of another dtype than the run's --precision (a
+    precision written out, autocast("bf16", device)), said as its FIX line."""
+    precision = (run.summary or {}).get("precision")
+    for rank, r in enumerate(run.ranks):
+        steps = [c for c in script_calls(r or {}, "step") if "autocast" in c]
+        dtype = steps[0]["autocast"][1] if steps else None
+        if dtype and precision and dtype != {"bf16": "bfloat16"}.get(precision):
+            return (f"rank {rank} runs schedule.step under autocast in {dtype} in a run with "
+                    f"--precision {precision}: autocast(args.precision, device), the precision "
+                    "the run was given")
+    return None
 
 
 def check_broadcasts(ctx, run) -> None:
@@ -622,7 +641,8 @@ def check_eval_calls(ctx, run) -> None:
                      "schedule.step inside the with autocast(args.precision, device): block "
                      "(on a GPU it computes in bf16 there, as schedule.eval does)")
             return
-        if steps and evals and any(c["autocast"] != steps[0]["autocast"] for c in evals):
+        if steps and evals and any(c["autocast"] != steps[0]["autocast"] for c in evals) \
+                and not autocast_not_the_runs(run):  # (then training's is the FIX)
             ev = next(c["autocast"] for c in evals if c["autocast"] != steps[0]["autocast"])
             rep.fail(40, f"rank {rank} runs schedule.eval {describe_autocast(ev)}, "
                      f"schedule.step {describe_autocast(steps[0]['autocast'])}: with "
