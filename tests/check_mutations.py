@@ -972,6 +972,12 @@ MISTAKES = [
     ("pp", PP, "tokens counted on the last stage only (rank 0 reports none)", 38,
      [("            throughput.step(x.numel())",
        "            if stage.is_last:\n                throughput.step(x.numel())")]),
+    ("pp", PP, "one replica, but the training sampler seeded per rank", 35,
+     [("shuffle=True, seed=args.seed, drop_last=True)",
+       "shuffle=True, seed=args.seed + rank, drop_last=True)")]),
+    ("pp", PP, "the validation sampler with num_replicas=1 but rank=rank", 35,
+     [("val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=0)",
+       "val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=rank)")]),
     ("pp", PP, "the training's autocast written out as bf16", 37,
      [("            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32",
        '            with autocast("bf16", device):  # bf16 matmuls; the weights stay fp32')]),
@@ -2068,6 +2074,9 @@ MESSAGES = {
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # the stages read other data than one process: 37-40 wait for TODO 35
+    "one replica, but the training sampler seeded per rank": {35},
+    "the validation sampler with num_replicas=1 but rank=rank": {35},
     # the logged losses and the weights wait for TODO 37; evaluation's autocast is right
     "the training's autocast written out as bf16": {37},
     # each unit reduce-scatters once a step: the blocks' parts counted too (no FIX 58)
