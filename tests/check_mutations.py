@@ -978,6 +978,10 @@ MISTAKES = [
     ("pp", PP, "the validation sampler with num_replicas=1 but rank=rank", 35,
      [("val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=0)",
        "val_sampler = DistributedEvalSampler(val_ds, num_replicas=1, rank=rank)")]),
+    ("pp", PP, "the final model saved by dcp.save straight into its folder", 39,
+     [('    with atomic_folder(out_dir / "final_model") as folder:\n'
+       "        dcp.save(model.state_dict(), checkpoint_id=folder)\n",
+       '    dcp.save(model.state_dict(), checkpoint_id=out_dir / "final_model")\n')]),
     ("pp", PP, "the training's autocast written out as bf16", 37,
      [("            with autocast(args.precision, device):  # bf16 matmuls; the weights stay fp32",
        '            with autocast("bf16", device):  # bf16 matmuls; the weights stay fp32')]),
@@ -1695,6 +1699,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the final model saved by dcp.save straight into its folder": (
+        "writes straight into final_model", "atomic_folder(out_dir / 'final_model')"),
     "the training's autocast written out as bf16": (
         "under autocast in bfloat16 in a run with --precision fp32", "autocast(args.precision"),
     "tokens counted per micro-batch (grad_accum left out)": ("0.5 x", "args.grad_accum"),

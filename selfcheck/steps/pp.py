@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
+from pathlib import Path
 
 from selfcheck.compare import near
 from selfcheck.runs import TWO_NODES, Run
@@ -169,6 +170,14 @@ def check(ctx) -> None:
                  f"{ref.summary[f'{split}_loss']:.5f}: {hint}")
     if calls(run, "dcp.save"):
         rep.attempt(39)
+    in_place = sorted({Path(c["path"]).name for r in run.ranks if r for c in r.get("calls", [])
+                       if c["name"] == "dcp.save" and c.get("path")
+                       and not Path(c["path"]).name.endswith(".partial")})
+    if in_place:  # (atomic_folder gives the ranks .NAME.partial to write into)
+        rep.fail(39, f"dcp.save writes straight into {' and '.join(in_place)}: a kill or a full "
+                 "disk during the save leaves a half-written folder where the last complete one "
+                 f"was; on every rank, with atomic_folder(out_dir / '{in_place[0]}') as folder: "
+                 "dcp.save(model.state_dict(), checkpoint_id=folder)")
     if (run.out / "final_model" / ".metadata").is_file():
         if other_model:
             rep.waits(39, f"the saved weights are compared with one process's {until}")
