@@ -1656,6 +1656,10 @@ MISTAKES = [
     ("memory", MEM, "tokens counted on every micro-batch, each as a whole step", 58,
      [("            micro_losses.append(loss.detach())\n            if not last:\n                continue\n            optimizer.step()\n            step += 1\n            throughput.step(x.numel() * world_size * args.grad_accum)\n",
        "            micro_losses.append(loss.detach())\n            throughput.step(x.numel() * world_size * args.grad_accum)\n            if not last:\n                continue\n            optimizer.step()\n            step += 1\n")]),
+    ("memory", MEM, "apply_fsdp checkpoints the blocks itself, whatever the flag says", 55,
+     [('    options = dict(reshard_after_forward=layout != "zero2")\n',
+       '    model = apply_activation_checkpointing(model)\n'
+       '    options = dict(reshard_after_forward=layout != "zero2")\n')]),
     # ---- found by trying new mistakes on the check (2026-11-28) ---------------------------
     ("ddp", DDP, "the training sampler without the run's seed", 3,
      [("shuffle=True, seed=args.seed, drop_last=True)", "shuffle=True, drop_last=True)")]),
@@ -1699,6 +1703,9 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "apply_fsdp checkpoints the blocks itself, whatever the flag says": (
+        "no --activation-checkpointing, the blocks are checkpoint_wrapper's",
+        "only under `if args.activation_checkpointing:`"),
     "the final model saved by dcp.save straight into its folder": (
         "writes straight into final_model", "atomic_folder(out_dir / 'final_model')"),
     "the training's autocast written out as bf16": (

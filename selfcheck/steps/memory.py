@@ -420,6 +420,11 @@ def check_promises(ctx, key, run, ref, runs) -> None:
         check_replicated(ctx, key, run, ref)
     if ckpt:
         check_checkpointing(ctx, key, run, ref)
+    elif any("CheckpointWrapper" in t for t in run.ranks[0].get("block_types", [])):
+        fail(ctx.report, CHECKPOINTING, f"with {flags(key)}, no --activation-checkpointing, the "
+             "blocks are checkpoint_wrapper's: every step runs their forward twice, though the "
+             "run did not ask for it; checkpoint them only under "
+             "`if args.activation_checkpointing:`")
     if accum > 1:
         check_accumulation(ctx, key, run, ref, runs)
         check_step_tokens(ctx, key, run)
