@@ -240,6 +240,8 @@ MISTAKES = [
      [("$((20000 + SLURM_JOB_ID % 10000))", "$((20000 + SLURM_JOB_ID % 50000))")]),
     ("sbatch", SBATCH, "the endpoint's port written out (MASTER_PORT unused)", 14,
      [('--rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT"', '--rdzv_endpoint="$MASTER_ADDR:29500"')]),
+    ("sbatch", SBATCH, "the script and its arguments inside bash -c's single quotes", 15,
+     [("""    "$@"' torchrun "$SCRIPT" "${ARGS[@]}"\n""", """    "$SCRIPT" "${ARGS[@]}"'\n""")]),
     ("sbatch", SBATCH, "a static rendezvous (--node_rank, --master_addr) for c10d", 15,
      [('    --rdzv_backend=c10d --rdzv_id="$SLURM_JOB_ID" \\\n'
        '    --rdzv_endpoint="$MASTER_ADDR:$MASTER_PORT" \\\n'
@@ -1703,6 +1705,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the script and its arguments inside bash -c's single quotes": (
+        "inside bash -c's single quotes", "after the closing quote"),
     "apply_fsdp checkpoints the blocks itself, whatever the flag says": (
         "no --activation-checkpointing, the blocks are checkpoint_wrapper's",
         "only under `if args.activation_checkpointing:`"),

@@ -250,6 +250,12 @@ def check_geometry(ctx, job, one) -> None:
                             "takes the first word after its command as $0, not as part of "
                             "\"$@\"; put a name there, bash -c '...' torchrun \"$SCRIPT\" "
                             "\"${ARGS[@]}\"")
+        elif not any(a.endswith(SCRIPT) or a == "$SCRIPT" for a in script_args) and re.search(
+                r'"\$\{?SCRIPT\}?"[^\'\n]*\'', ctx.text):  # "$SCRIPT" before a closing quote
+            problems.append("torchrun does not get the training script: \"$SCRIPT\" "
+                            "\"${ARGS[@]}\" stand inside bash -c's single quotes, where these "
+                            "variables of the job script are not set: after the closing quote, "
+                            "bash -c '... \"$@\"' torchrun \"$SCRIPT\" \"${ARGS[@]}\"")
         elif not any(a.endswith(SCRIPT) or a == "$SCRIPT" for a in script_args):
             problems.append("torchrun does not get the training script: end with "
                             "\"$SCRIPT\" \"${ARGS[@]}\"")
