@@ -74,6 +74,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_taken(output: str) -> bool:
+    """Whether rank 0 could not listen on its MASTER_PORT: torch's own EADDRINUSE, or the
+    course's one-line error for it (utils/launch.py)."""
+    return "EADDRINUSE" in output or "so rank 0 cannot listen there" in output
+
+
 def child_env(dump_dir: Path, extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "SBATCH_", "TORCHELASTIC_", "PET_"))
@@ -320,7 +326,7 @@ class Run:
         dump = self.dir / "dump" / "rank0.json"
         if dump.is_file():
             text += dump.read_text(errors="replace")
-        return self.geometry.world > 1 and "EADDRINUSE" in text
+        return self.geometry.world > 1 and port_taken(text)
 
     def write_output(self) -> None:
         """All ranks' output in one file, each line marked with its rank (for the participant)."""
