@@ -420,7 +420,7 @@ def check_promises(ctx, key, run, ref, runs) -> None:
         check_replicated(ctx, key, run, ref)
     if ckpt:
         check_checkpointing(ctx, key, run, ref)
-    elif any("CheckpointWrapper" in t for t in run.ranks[0].get("block_types", [])):
+    elif any("CheckpointWrapper" in t for t in (run.ranks[0] or {}).get("block_types", [])):
         fail(ctx.report, CHECKPOINTING, f"with {flags(key)}, no --activation-checkpointing, the "
              "blocks are checkpoint_wrapper's: every step runs their forward twice, though the "
              "run did not ask for it; checkpoint them only under "

@@ -4,8 +4,8 @@ port, one torchrun per node.
 The file runs as sbatch would run it (its #SBATCH lines read like sbatch reads them), on a
 pretend cluster whose nodes have 4 GPUs: as a two-node job whose nodes have InfiniBand names
 (jrc0001i, as at JSC), and as a one-node job without them and with another job id. Stand-ins
-for scontrol, nslookup, srun and torchrun record what would start where: how many processes per
-node, which GPUs each sees, how the nodes find each other.
+for scontrol, nslookup, getent, srun and torchrun record what would start where: how many
+processes per node, which GPUs each sees, how the nodes find each other.
 """
 
 from __future__ import annotations
