@@ -549,12 +549,18 @@ class Probe:
         # -- optimizer.step() and zero_grad() against backward(): a step per micro-batch, or a
         # zero_grad() that throws away the gradients of earlier micro-batches (the memory step's
         # accumulation). ZeroRedundancyOptimizer's step runs its AdamW's: counted once.
-        counted = record["optimizer_calls"] = {"steps": 0, "discarding_zero_grads": 0}
-        since = {"backwards": 0, "depth": 0, "since_step": 0}
+        counted = record["optimizer_calls"] = {"steps": 0, "discarding_zero_grads": 0,
+                                               "steps_on_old_grads": 0}
+        since = {"backwards": 0, "depth": 0, "since_step": 0, "zeroed": False}
 
         def step_pre(optimizer, *a):
             since["depth"] += 1
             if since["depth"] == 1:
+                # a step after the first without zero_grad() since the one before: its gradients
+                # hold the earlier step's too
+                if counted["steps"] and not since["zeroed"] and since["since_step"]:
+                    counted["steps_on_old_grads"] += 1
+                since["zeroed"] = False
                 counted["steps"] += 1
                 since["backwards"] = 0
                 # backward() calls since the last step, zero_grad() or not: the micro-batches
@@ -577,6 +583,7 @@ class Probe:
 
         def zero_grad_(self, *a, **k):
             counted["zero_grads"] = counted.get("zero_grads", 0) + 1  # (the pipeline: any at all)
+            since["zeroed"] = True
             if since["backwards"] and not since["depth"]:
                 counted["discarding_zero_grads"] += 1
             if probe.schedule_stepped and not since["depth"]:  # between schedule.step and
@@ -593,6 +600,7 @@ class Probe:
 
         def module_zero_grad(*a, **k):  # model.zero_grad() clears the gradients as well
             counted["zero_grads"] = counted.get("zero_grads", 0) + 1
+            since["zeroed"] = True
         wrap(torch.nn.Module, "zero_grad", before=module_zero_grad)
 
         # -- the performance step: what AdamW and torch.compile were asked for

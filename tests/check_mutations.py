@@ -1701,6 +1701,18 @@ MISTAKES = [
        "                                  fused=device.type == \"cuda\")  # one kernel for all "
        "parameters\n",
        "    fully_shard(model, mesh=mesh[\"dp\"])\n")]),
+    # ---- right for 2 micro-batches only: the check's runs accumulate 1, 2 and 4 ------------
+    ("memory", MEM, "the step's last micro-batch every second one, a 2 written in", 58,
+     [("last = micro % args.grad_accum == 0", "last = micro % 2 == 0")]),
+    ("memory", MEM, "the step's last micro-batch any but the first (right for 2 only)", 58,
+     [("last = micro % args.grad_accum == 0", "last = micro % args.grad_accum != 1")]),
+    ("memory", MEM, "zero_grad every second micro-batch, a 2 written in", 58,
+     [("if micro % args.grad_accum == 0:  # a new", "if micro % 2 == 0:  # a new")]),
+    ("memory", MEM, "zero_grad before the first micro-batch only", 58,
+     [("if micro % args.grad_accum == 0:  # a new", "if micro == 0:  # a new")]),
+    ("memory", MEM, "tokens counted for 2 micro-batches, a 2 written in", 58,
+     [("throughput.step(x.numel() * world_size * args.grad_accum)",
+       "throughput.step(x.numel() * world_size * 2)")]),
 ]
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
@@ -2086,6 +2098,14 @@ MESSAGES = {
         "mis-counted", "last = micro % args.grad_accum == 0 right after micro += 1"),
     "FSDP's gradient sync switched off on the root only": ("the blocks", "recurse"),
     "DDP's no_sync() called, not entered": ("with model.no_sync(): yield",),
+    "the step's last micro-batch every second one, a 2 written in": (
+        "stepped after 2 micro-batches", "never a number written in"),
+    "the step's last micro-batch any but the first (right for 2 only)": (
+        "--grad-accum 4", "instead of args.grad_accum = 4"),
+    "zero_grad every second micro-batch, a 2 written in": ("zero_grad",),
+    "zero_grad before the first micro-batch only": (
+        "without optimizer.zero_grad() since the step before",),
+    "tokens counted for 2 micro-batches, a 2 written in": ("--grad-accum 4", "args.grad_accum"),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the

@@ -4,10 +4,11 @@ layouts and offload, ZeRO-1, gradient accumulation.
 Every way of saving memory must train exactly what one process trains on the same global batch,
 and must save what it promises. Your script runs as two nodes with one process each, next to
 the solution in one process with the whole batch, in every layout (ddp, zero1, zero2, zero3,
-offload), each layout once with --grad-accum 2 and once with --activation-checkpointing (ddp:
+offload), each layout once with --grad-accum and once with --activation-checkpointing (ddp:
 once with both, once with neither), so that every layout meets every option and every two
 options meet at least once. A mistake that shows only in one layout, or only with one option,
-shows here.
+shows here. Two layouts accumulate 4 micro-batches, the others 2: a step counted right for 2
+only (a 2 written in for args.grad_accum) shows too.
 
 What a run promises is read from what it built (the probe): which modules are FSDP units, whether
 each reshards after forward and keeps its shards in host memory, the optimizer's class and the
@@ -40,11 +41,12 @@ OPTIONAL = {"--grad-accum": 1, "--layout": 1, "--activation-checkpointing": 0}
 LAYOUT_TODO = {"ddp": None, "zero1": ZERO1, "zero2": FSDP, "zero3": FSDP, "offload": FSDP}
 FSDP_LAYOUTS = ("zero2", "zero3", "offload")
 # (layout, micro-batches per step, activation checkpointing): each layout with accumulation and
-# with checkpointing, and every pair of the three options at least once
+# with checkpointing, and every pair of the three options at least once; 4 micro-batches (of one
+# sample each) in two layouts, where a loop right for 2 only goes wrong
 COMBINATIONS = [("ddp", 1, False), ("ddp", 2, True),
-                ("zero1", 2, False), ("zero1", 1, True),
+                ("zero1", 4, False), ("zero1", 1, True),
                 ("zero2", 2, False), ("zero2", 1, True),
-                ("zero3", 2, False), ("zero3", 1, True),
+                ("zero3", 4, False), ("zero3", 1, True),
                 ("offload", 2, False), ("offload", 1, True)]
 ON_A_GPU = ("offload", 1, True)  # the stand-in GPU's run
 
@@ -132,7 +134,8 @@ def say_ok(ctx, trained: dict) -> None:
                 if layout in ran]
             rep.ok(todo, ", ".join(said) + ("; all train like one process" if same else ""))
         elif todo == ACCUMULATION:
-            rep.ok(todo, "2 micro-batches per step " + ("train like one process with the whole "
+            counts = " and ".join(str(n) for n in sorted({key[1] for key in keys}))
+            rep.ok(todo, f"{counts} micro-batches per step " + ("train like one process with the whole "
                    "batch " if same else "") + f"{where_it_ran(keys, todo)}, the gradients "
                    "reduced once per step")
 
@@ -367,6 +370,13 @@ def blame_training(ctx, trained: dict, runs: dict, ref) -> None:
         run = runs[key]
         mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
         ratio = first_norm_ratio(run, ref)
+        stale = ((run.ranks[0] or {}).get("optimizer_calls") or {}).get("steps_on_old_grads")
+        if stale:  # a cause seen, not inferred: said whatever else failed
+            fail(rep, ACCUMULATION, f"with {flags(key)} {stale} of {run.summary['steps']} "
+                 "optimizer steps ran without optimizer.zero_grad() since the step before, on "
+                 "its gradients too: zero_grad once per optimizer step, before its first "
+                 "micro-batch (if micro % args.grad_accum == 0)")
+            continue
         if key[1] > 1 and mine and theirs and first_difference(mine, theirs) is None and \
                 ratio is not None and near(ratio, 1 / key[1], 0.02):
             # (AdamW's step hardly depends on the gradients' scale: the losses stay right)
@@ -425,9 +435,26 @@ def check_promises(ctx, key, run, ref, runs) -> None:
              "blocks are checkpoint_wrapper's: every step runs their forward twice, though the "
              "run did not ask for it; checkpoint them only under "
              "`if args.activation_checkpointing:`")
-    if accum > 1:
+    if not check_micro_batches_per_step(ctx, key, run) and accum > 1:
         check_accumulation(ctx, key, run, ref, runs)
         check_step_tokens(ctx, key, run)
+
+
+def check_micro_batches_per_step(ctx, key, run) -> bool:
+    """Every optimizer step after the first made after args.grad_accum micro-batches, with or
+    without accumulation (a count right for 2 only goes wrong at 1 and 4): True if reported."""
+    calls = (run.ranks[0] or {}).get("optimizer_calls") or {}
+    later = (calls.get("backwards_per_step") or [])[1:]
+    wrong = sorted({n for n in later if n != key[1]})
+    if not wrong or key[1] > 1 and wrong == [1]:
+        return False  # (a step per micro-batch: check_accumulation says it in its own words)
+    how = (f"{key[1]} micro-batch per step, no --grad-accum" if key[1] == 1 else
+           f"args.grad_accum = {key[1]}")
+    fail(ctx.report, ACCUMULATION, f"with {flags(key)} the optimizer stepped "
+         f"after {' or '.join(map(str, wrong))} micro-batches instead of {how}: count the step's "
+         "micro-batches by args.grad_accum, never a number written in (last = micro % "
+         "args.grad_accum == 0)")
+    return True
 
 
 def check_step_tokens(ctx, key, run) -> None:
