@@ -54,7 +54,32 @@ def list_steps() -> None:
         print(f"  python check.py {name:<11} {module.FILE:<33} {module.WHAT}")
     print("\nAfter the step, another file (or folder holding a copy of the repository) to check:"
           "\n  python check.py ddp my_copy.py\nA hint for one TODO (each time one level more "
-          "detailed): python check.py ddp --hint 5")
+          "detailed): python check.py ddp --hint 5\nA step's TODOs and options: "
+          "python check.py ddp --help")
+
+
+def step_help(name: str) -> None:
+    """`python check.py STEP --help`: the step's file, its TODOs and what to type."""
+    module = step_module(name)
+    print(f"python check.py {name}: {module.FILE}, {module.WHAT}")
+    if module.TODOS:
+        print("\nTODOs:")
+        for number, what in module.TODOS.items():
+            print(f"  {number:>2}  {what}")
+    rows = [(f"python check.py {name}", f"checks {module.FILE}"),
+            (f"python check.py {name} FILE", "another file, or a folder holding a copy of the "
+             "repository")]
+    if module.TODOS:
+        first = min(module.TODOS)
+        rows.append((f"python check.py {name} --hint {first}",
+                     f"a hint for TODO {first}; again: a more detailed one"))
+    if hasattr(module, "show"):
+        rows.append((f"python check.py {name} --show", "what srun would start on every node (a "
+                     "dry run)"))
+    width = max(len(command) for command, _ in rows)
+    print()
+    for command, what in rows:
+        print(f"  {command:<{width}}  {what}")
 
 
 def main(argv=None) -> int:
@@ -70,6 +95,12 @@ def main(argv=None) -> int:
         print(f"error: no step {argv[0]!r}: choose one of {', '.join(ORDER)} "
               "(python check.py lists them)")
         return 2
+    if any(a in ("-h", "--help") for a in argv[1:]):
+        try:
+            step_help(argv[0])
+        except BrokenPipeError:  # `python check.py pp --help | head`
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     parser = OneLineParser(prog="check.py", add_help=False)
     parser.add_argument("step")
     parser.add_argument("file", nargs="?")

@@ -430,6 +430,18 @@ def test_without_a_step_the_steps_are_listed():
         assert f"python check.py {step}" in proc.stdout
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_after_a_step_names_its_file_todos_and_options(flag):
+    for step in ORDER:
+        code, text, _ = run_check(step, flag)
+        module = step_module(step)
+        assert code == 0 and module.FILE in text, text
+        for number, what in module.TODOS.items():
+            assert f"{number:>2}  {what}" in text, text
+        assert f"--hint {min(module.TODOS)}" in text and ("--show" in text) == hasattr(module,
+                                                                                       "show")
+
+
 def test_a_missing_file_or_a_wrong_step_gets_one_line_saying_what_to_give(tmp_path):
     proc = check_command("ddp", tmp_path / "nope.py")
     assert proc.returncode == 2 and proc.stdout.count("\n") == 1 and "does not exist" in proc.stdout
