@@ -244,6 +244,11 @@ class Probe:
             if len(probe.models) == 1:
                 record["model_vocab"] = self.cfg.vocab_size  # (known also if the run crashes)
                 record["model_flops"] = model_flops(self, flops_of)  # what MFU counts (TODO 42)
+                # its initial weights, a sum per tensor: the pipeline's ranks must all build
+                # the same model to cut their stages from
+                with torch.no_grad():  # (a model on the meta device has no values)
+                    record["initial_weights"] = [float(p.double().sum()) for p in
+                                                 self.parameters() if not p.is_meta]
                 self.register_forward_pre_hook(probe.forward_pre_hook)
                 self.register_forward_hook(probe.output_hook)
                 for module in self.modules():

@@ -1713,6 +1713,62 @@ MISTAKES = [
     ("memory", MEM, "tokens counted for 2 micro-batches, a 2 written in", 58,
      [("throughput.step(x.numel() * world_size * args.grad_accum)",
        "throughput.step(x.numel() * world_size * 2)")]),
+    ("memory", MEM, "the sync switched on every second micro-batch, a 2 written in", 58,
+     [("with contextlib.nullcontext() if last else no_gradient_sync(model):",
+       "with contextlib.nullcontext() if micro % 2 == 0 else no_gradient_sync(model):")]),
+    # ---- a third round on the DDP step (2026-11-28) -------------------------------------
+    ("ddp", DDP, "DataParallel imported under the name DDP", 1,
+     [("from torch.nn.parallel import DistributedDataParallel as DDP",
+       "from torch.nn.parallel import DataParallel as DDP")]),
+    ("ddp", DDP, "the batch per rank divided by the ranks", 4,
+     [("loader_args = dict(batch_size=args.batch_size,",
+       "loader_args = dict(batch_size=args.batch_size // world_size,")]),
+    ("ddp", DDP, "backward on the loss divided by the ranks (DDP averages already)", 5,
+     [("            loss.backward()\n", "            (loss / world_size).backward()\n")]),
+    ("ddp", DDP, "forward and backward inside model.no_sync()", 5,
+     [("            with autocast(args.precision, device):  # bf16 matmuls; the weights stay "
+       "fp32\n                logits = model(x)\n                loss = F.cross_entropy("
+       "logits.flatten(0, 1), y.flatten())\n            optimizer.zero_grad(set_to_none=True)\n"
+       "            loss.backward()\n",
+       "            with model.no_sync(), autocast(args.precision, device):\n"
+       "                logits = model(x)\n                loss = F.cross_entropy("
+       "logits.flatten(0, 1), y.flatten())\n                optimizer.zero_grad("
+       "set_to_none=True)\n                loss.backward()\n")]),
+    ("ddp", DDP, "set_epoch with the number of epochs", 6,
+     [("train_sampler.set_epoch(epoch)", "train_sampler.set_epoch(args.epochs)")]),
+    ("ddp", DDP, "set_epoch with the epoch plus the rank", 6,
+     [("train_sampler.set_epoch(epoch)", "train_sampler.set_epoch(epoch + rank)")]),
+    ("ddp", DDP, "loss_history gets the loss as a number", 7,
+     [("            loss_history.append(step_loss)\n",
+       "            loss_history.append(step_loss.item())\n")]),
+    ("ddp", DDP, "destroy_process_group() before monitor.close()", 11,
+     [("    monitor.close(summary)\n", ""),
+      ("    destroy_process_group()\n",
+       "    destroy_process_group()\n    monitor.close(summary)\n")]),
+    ("ddp", DDP, "a barrier after destroy_process_group()", 11,
+     [("import torch.nn.functional as F\n",
+       "import torch.nn.functional as F\nimport torch.distributed as dist\n"),
+      ("    destroy_process_group()\n", "    destroy_process_group()\n    dist.barrier()\n")]),
+    # ---- a seed per rank before the model: FSDP, TP and the stages keep each rank's own ----
+    ("pp", PP, "the stages cut from models of a seed per rank", 36,
+     [("    model = TransformerLM(cfg).to(device)\n",
+       "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    ("fsdp", FSDP, "the model built from a seed per rank, then sharded", 18,
+     [("    model = TransformerLM(cfg).to(device)\n",
+       "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    ("tp", TP, "the model built from a seed per rank, then split", 28,
+     [("    model = TransformerLM(cfg).to(device)\n",
+       "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    ("memory", MEM, "the model built from a seed per rank, sharded in the FSDP layouts", 56,
+     [("    model = TransformerLM(cfg).to(device)\n",
+       "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    # ---- the test split's sampler, read as carefully as the validation split's -------------
+    ("pp", PP, "the test sampler split over the ranks", 35,
+     [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
+       "test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)")]),
+    ("tp", TP, "the test sampler counts processes", 27,
+     [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=dp_size, rank=dp_rank)",
+       "test_sampler = DistributedEvalSampler(test_ds, num_replicas=world_size, rank=rank)")]),
 ]
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
@@ -2106,11 +2162,52 @@ MESSAGES = {
     "zero_grad before the first micro-batch only": (
         "without optimizer.zero_grad() since the step before",),
     "tokens counted for 2 micro-batches, a 2 written in": ("--grad-accum 4", "args.grad_accum"),
+    "the stages cut from models of a seed per rank": ("other initial weights",
+                                                      "alike on every rank"),
+    "the model built from a seed per rank, then sharded": ("other initial weights",
+                                                           "FSDP does not"),
+    "the model built from a seed per rank, then split": ("other initial weights",),
+    "the model built from a seed per rank, sharded in the FSDP layouts": (
+        "other initial weights",),
+    "DataParallel imported under the name DDP": ("DataParallel", "DistributedDataParallel as DDP"),
+    "the batch per rank divided by the ranks": ("batch_size=2", "per rank"),
+    "backward on the loss divided by the ranks (DDP averages already)": (
+        "0.5 x", "DDP averages the gradients itself"),
+    "forward and backward inside model.no_sync()": ("inside model.no_sync()",),
+    "set_epoch with the epoch plus the rank": ("rank 1 calls set_epoch(1)",),
+    "loss_history gets the loss as a number": ("must stay a tensor",),
+    "destroy_process_group() before monitor.close()": ("though `del model` ran",
+                                                        "after monitor.close"),
+    "a barrier after destroy_process_group()": ("a collective after destroy_process_group()",),
+    "the sync switched on every second micro-batch, a 2 written in": (
+        "fewer than once per step", "nullcontext() if last"),
+    "the test sampler split over the ranks": (
+        "different test samples", "DistributedEvalSampler(test_ds, num_replicas=1, rank=0)"),
+    "the test sampler counts processes": (
+        "different test samples", "num_replicas=dp_size, rank=dp_rank"),
+    "evaluation samplers count processes": ("different validation samples",),
 }
 
 # Mistakes whose consequences further down the run get no FIX lines of their own: what -> the
 # only TODOs that may have one.
 ONLY_FIXED = {
+    # the ranks' weights apart: what they train, evaluate and save waits for the cause
+    "DataParallel imported under the name DDP": {1},
+    "forward and backward inside model.no_sync()": {5},
+    "backward on the loss divided by the ranks (DDP averages already)": {5},
+    "the batch per rank divided by the ranks": {4},
+    # another order than one process's: the losses and weights wait for TODO 6
+    "set_epoch with the number of epochs": {6},
+    "set_epoch with the epoch plus the rank": {6},
+    # a mix of models: what it trains and saves waits for the seed
+    "the stages cut from models of a seed per rank": {36},
+    "the model built from a seed per rank, then sharded": {18},
+    "the model built from a seed per rank, then split": {28},
+    "the model built from a seed per rank, sharded in the FSDP layouts": {56},
+    # the evaluation compared with one process's waits for the samplers
+    "the test sampler split over the ranks": {35},
+    "the test sampler counts processes": {27},
+    "evaluation samplers count processes": {27},
     # the stages read other data than one process: 37-40 wait for TODO 35
     "one replica, but the training sampler seeded per rank": {35},
     "the validation sampler with num_replicas=1 but rank=rank": {35},
@@ -2291,6 +2388,24 @@ ONLY_FIXED = {
 
 # Right solutions written another way: the check must call them all good.
 CORRECT = [
+    ("ddp", DDP, "the logged loss averaged with ReduceOp.AVG",
+     [("import torch.nn.functional as F\n",
+       "import torch.nn.functional as F\nimport torch.distributed as dist\n"),
+      ("step_loss = all_reduce_mean(loss.detach())",
+       "step_loss = loss.detach().clone()\n"
+       "            dist.all_reduce(step_loss, op=dist.ReduceOp.AVG)")]),
+    ("ddp", DDP, "the detached loss summed in place, then divided by the ranks",
+     [("import torch.nn.functional as F\n",
+       "import torch.nn.functional as F\nimport torch.distributed as dist\n"),
+      ("step_loss = all_reduce_mean(loss.detach())",
+       "dist.all_reduce(loss.detach())\n"
+       "            step_loss = loss.detach().clone() / world_size")]),
+    ("ddp", DDP, "the best validation loss kept on rank 0 alone, around save0",
+     [("        if val_loss < best_val:\n            best_val = val_loss\n",
+       "        if rank == 0 and val_loss < best_val:\n            best_val = val_loss\n")]),
+    ("ddp", DDP, "a seed per rank before the model (DDP broadcasts rank 0's weights)",
+     [("    model = TransformerLM(cfg).to(device)\n",
+       "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
     ("perf", PERF, "the optimizer's range named after AdamW, the GPU line without 'busy'",
      [('annotate("optimizer", device)', 'annotate("adamw step", device)'),
       ('print0(f"GPU busy: no GPU kernels', 'print0(f"GPU: no GPU kernels'),

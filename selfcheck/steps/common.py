@@ -576,9 +576,10 @@ def check_new_order(ctx, run, todo_epoch, todo_sampler):
 
 
 def check_eval_reads(ctx, run, todo, replicas, replica_of, made_is_attempt=True,
-                     todo_loader=None, split=1):
+                     todo_loader=None, split=1, given_as=None):
     """Evaluation reads every sample exactly once per replica (DistributedEvalSampler).
-    split: the dataset checked, 1 validation or 2 test (the order the script builds them)."""
+    split: the dataset checked, 1 validation or 2 test (the order the script builds them);
+    given_as: the sampler's right arguments, where the ranks of a replica share them."""
     rep = ctx.report
     records = run.ranks
     name, var = {1: ("validation", "val"), 2: ("test", "test")}[split]
@@ -601,9 +602,11 @@ def check_eval_reads(ctx, run, todo, replicas, replica_of, made_is_attempt=True,
     for rank, p in enumerate(passes):
         groups.setdefault(replica_of(rank), []).append(p[0])
     if any(any(g != group[0] for g in group) for group in groups.values()):
-        rep.fail(todo, "the ranks of one replica evaluate different samples: the evaluation "
-                 "samplers count replicas too")
-        return
+        rep.fail(todo, f"the ranks of one replica evaluate different {name} samples: the "
+                 f"{name} sampler counts replicas, not ranks"
+                 + (f" ({var}_sampler = DistributedEvalSampler({var}_ds, {given_as}))"
+                    if given_as else ""))
+        return False
     real = [i for group in groups.values() for i in group[0] if i < n_val]
     if sorted(real) == list(range(n_val)):
         rep.ok(todo, f"evaluation reads every {name} sample exactly once")
@@ -812,6 +815,18 @@ def check_eval_exact(ctx, run, todo, hint):
     ctx.report.fail(todo, f"evaluate() returned {v:.6f} on rank 0, the whole split gives "
                     f"{f:.6f}: {hint}")
     return False
+
+
+SEED_ALIKE = ("leave the seed as setup() gave it, alike on every rank (no torch.manual_seed(... + "
+              "rank) before the model is built)")
+
+
+def rank_with_other_initial_weights(run) -> int | None:
+    """The first rank whose model was built with other initial weights than rank 0's (a seed per
+    rank before it), else None. DDP broadcasts rank 0's weights; fully_shard, apply_tp and a
+    pipeline's stages keep each rank's own share of its own model: a mix of models."""
+    built = [(r or {}).get("initial_weights") for r in run.ranks]
+    return next((rank for rank, w in enumerate(built) if w and built[0] and w != built[0]), None)
 
 
 def calls(run, name, rank=None):

@@ -27,8 +27,8 @@ import types
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
 from selfcheck.runs import ONE, TWO_NODES, Run
-from selfcheck.steps.common import (SEQ_LEN, check_losses, crash_todo, inner_units,
-                                    report_crash)
+from selfcheck.steps.common import (SEED_ALIKE, SEQ_LEN, check_losses, crash_todo,
+                                    inner_units, rank_with_other_initial_weights, report_crash)
 
 FILE = "train/memory_training.py"
 WHAT = "memory: activation checkpointing, FSDP2 layouts and offload, ZeRO-1, accumulation"
@@ -90,6 +90,7 @@ def check(ctx) -> None:
             finished[key] = run
     # what each run built and measured first: where it breaks a promise, that is the cause of
     # any difference in training too
+    check_same_models_sharded(ctx, finished)
     check_too_few_syncs(ctx, finished, ref)
     for key, run in finished.items():
         check_promises(ctx, key, run, ref, finished)
@@ -785,6 +786,19 @@ def gradient_syncs(run, ref) -> tuple[int | None, float, str]:
     per_step = sum(units.get("blocks", [])) + bool(units.get("root")) + len(units.get("inner", []))
     # (counted where the check asks: COUNT; none made, none counted)
     return run.ranks[0].get("reduce_scatters", 0), per_step, "FSDP reduce-scattered the gradients"
+
+
+def check_same_models_sharded(ctx, runs: dict) -> None:
+    """The FSDP layouts shard each rank's own model (DDP broadcasts rank 0's): every rank must
+    build it with the same initial weights."""
+    for key, run in runs.items():
+        other = rank_with_other_initial_weights(run) if key[0] in FSDP_LAYOUTS else None
+        if other is not None:
+            fail(ctx.report, FSDP, f"with {flags(key)} rank {other} built the model with other "
+                 "initial weights than rank 0, and fully_shard keeps each rank's share of its "
+                 "own model (DDP broadcasts rank 0's weights; FSDP does not), so the sharded "
+                 f"model is a mix of two: {SEED_ALIKE}")
+            return
 
 
 def check_too_few_syncs(ctx, runs: dict, ref) -> None:

@@ -16,9 +16,10 @@ from pathlib import Path
 
 from selfcheck.compare import near
 from selfcheck.runs import TWO_NODES, Run
-from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_reads, check_losses,
+from selfcheck.steps.common import (SEED_ALIKE, SEQ_LEN, calls, check_eval_reads, check_losses,
                                     check_prints_once, check_tokens, check_training_shards,
-                                    check_weights_file, report_crash, sampler_records)
+                                    check_weights_file, rank_with_other_initial_weights,
+                                    report_crash, sampler_records)
 from selfcheck.steps.tp import report_lost_import
 
 FILE = "train/pp_training.py"
@@ -55,6 +56,7 @@ def check(ctx) -> None:
     n_layers = ref.summary["model_config"]["n_layers"]
     split = check_split(ctx, run, n_layers)
     staged = check_stages(ctx, run)
+    check_same_initial_model(ctx, run)
     if any(s["given"].get("num_replicas") == 1 for r in records
            for s in sampler_records(r, "DistributedSampler")):
         rep.attempt(35)
@@ -68,8 +70,11 @@ def check(ctx) -> None:
         if in_evaluate(run):  # a rank stopped midway through a split: its reads are partial
             check_eval_samplers(ctx, run)
         elif not (eval_wrong and run.crashed):
-            check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
-                             made_is_attempt=False)
+            for split in (1, 2):  # validation, then test: the first wrong one is said
+                if check_eval_reads(ctx, run, 35, replicas=1, replica_of=lambda r: 0,
+                                    made_is_attempt=False, split=split,
+                                    given_as="num_replicas=1, rank=0") is False:
+                    break
     if calls_judged:
         check_schedule_calls(ctx, run)
     if staged:
@@ -102,6 +107,9 @@ def check(ctx) -> None:
                  "the sums of the microbatches' losses")
     elif ctx.extra.get("pp_training_differs"):
         until = "once the steps train like one process (TODO 37's FIX)"
+    elif ctx.extra.get("pp_other_models"):
+        until = ("once every stage is cut from the same model (TODO 36's FIX): until then the "
+                 "pipeline trains another model than one process")
     elif rep.failed(35):
         until = ("once every stage reads the batches one process reads (TODO 35): until then "
                  "the pipeline trains or evaluates on other data")
@@ -207,6 +215,17 @@ def check(ctx) -> None:
         rep.fail(39, "no final_model folder with DCP's .metadata: on every rank, inside `with "
                  "atomic_folder(out_dir / 'final_model') as folder:`, "
                  f"dcp.save(model.state_dict(), checkpoint_id=folder){why}")
+
+
+def check_same_initial_model(ctx, run) -> None:
+    """Every rank builds the whole model with the same initial weights, as setup() seeded them
+    alike; a stage cut from a model of another seed makes a pipeline of another model."""
+    other = rank_with_other_initial_weights(run)
+    if other is None:
+        return
+    ctx.extra["pp_other_models"] = True
+    ctx.report.fail(36, f"rank {other} built the model with other initial weights than rank 0, "
+                    f"so the stages are cut from different models: {SEED_ALIKE}")
 
 
 def check_split(ctx, run, n_layers) -> bool:

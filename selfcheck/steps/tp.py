@@ -17,8 +17,9 @@ from selfcheck.runs import ONE, ONE_NODE_TWO, TWO_NODES, Run
 from selfcheck.steps.common import (SEQ_LEN, calls, check_eval_exact, check_eval_reads,
                                     check_imports, check_losses, check_tokens,
                                     check_training_shards, check_weights_file, crash_todo,
-                                    import_todo, printed_losses, rank_todo, ratio_hint,
-                                    report_crash, usual_cause)
+                                    import_todo, printed_losses,
+                                    rank_with_other_initial_weights, rank_todo, ratio_hint,
+                                    report_crash, usual_cause, SEED_ALIKE)
 
 FILE = "train/tp_training.py"
 WHAT = "tensor parallelism: apply_tp, 2-D mesh, loss_parallel"
@@ -96,7 +97,7 @@ def check(ctx) -> None:
     check_imports(ctx, 23, run)
     tp = (r0.get("parser", {}).get("values", {}) or {}).get("tp") or 1
     dp = run.geometry.world // tp if tp else 1
-    shards_right = True
+    shards_right, evals_read_right = True, True
     if mesh == "wrong":  # what the ranks read and count follows from the mesh
         for todo in (27, 31, 32, 33):
             rep.waits(todo, "it follows from the mesh (fix TODO 26 above first)")
@@ -104,12 +105,22 @@ def check(ctx) -> None:
         shards_right = check_training_shards(ctx, run, 27, 27, replicas=dp,
                                              replica_of=lambda r: r // tp, made_is_attempt=False,
                                              given_as="num_replicas=dp_size, rank=dp_rank")
-        check_eval_reads(ctx, run, 27, replicas=dp, replica_of=lambda r: r // tp,
-                         made_is_attempt=False)
+        for split in (1, 2):  # validation, then test: the first wrong one is said
+            if check_eval_reads(ctx, run, 27, replicas=dp, replica_of=lambda r: r // tp,
+                                made_is_attempt=False, split=split,
+                                given_as="num_replicas=dp_size, rank=dp_rank") is False:
+                evals_read_right = False
+                break
     check_fsdp(ctx, run)
     split = r0.get("tp", {}).get("split")
     if split:
         check_local_params(ctx, run)
+    other = rank_with_other_initial_weights(run) if split else None
+    if other is not None:
+        rep.fail(28, f"rank {other} built the model with other initial weights than rank 0, and "
+                 "apply_tp keeps each rank's slice of its own model (DDP broadcast rank 0's "
+                 f"weights; tensor parallelism does not), so the split model is a mix of two: "
+                 f"{SEED_ALIKE}")
     if split and mesh == "wrong":
         check_loss_parallel(ctx, run)
         if calls(run, "save_full_model"):
@@ -119,6 +130,9 @@ def check(ctx) -> None:
         # evaluation after training can only differ (TODO 27's FIX says why)
         other_data = ("once each replica trains on its own shard (TODO 27): until then they "
                       "train on other data than one process")
+        if other is not None:  # (said above, under TODO 28)
+            shards_right = False  # (evaluate() is still compared with the same model's)
+            other_data = "once every rank builds the same model (TODO 28's FIX)"
         if shards_right:
             check_losses(ctx, run, ref, 31)
         else:
@@ -135,9 +149,12 @@ def check(ctx) -> None:
             check_weights_file(ctx, run, ref, 32, "best_model.pt", ref_name="best_model.pt")
         else:
             rep.waits(32, f"the saved weights are compared with one process's {other_data}")
-        if check_eval_exact(ctx, run, 33, "evaluate(model, loader, device, dp_group): the loss "
-                            "inside loss_parallel(), full_tensor(), all_reduce_sum over dp_group"
-                            ) and shards_right:
+        if not evals_read_right:
+            rep.waits(33, "the evaluation is compared with one process's once the ranks of a "
+                      "replica evaluate the same samples (TODO 27)")
+        elif check_eval_exact(ctx, run, 33, "evaluate(model, loader, device, dp_group): the loss "
+                              "inside loss_parallel(), full_tensor(), all_reduce_sum over "
+                              "dp_group") and shards_right:
             s = run.summary
             if not (near(s["val_loss"], ref.summary["val_loss"])
                     and near(s["test_loss"], ref.summary["test_loss"])):
@@ -148,7 +165,8 @@ def check(ctx) -> None:
                      "model.reshard() at the end of evaluate()")
         if mesh == "ok":  # (a wrong dp_group is said under TODO 26)
             check_reduction_groups(ctx, run, dp)
-            check_replicas(ctx, nodes, ref)
+            if other is None:  # (the two-node run mixes its models alike)
+                check_replicas(ctx, nodes, ref)
 
 
 def report_lost_import(ctx, run) -> tuple | None:
@@ -364,7 +382,8 @@ def check_replicas(ctx, nodes, ref) -> None:
     if evaluated:
         for split in (1, 2):
             check_eval_reads(ctx, nodes, 27, replicas=2, replica_of=lambda r: r,
-                             made_is_attempt=False, split=split)
+                             made_is_attempt=False, split=split,
+                             given_as="num_replicas=dp_size, rank=dp_rank")
     else:  # (what it read of the split is partial)
         check_eval_samplers(ctx, nodes, 2, lambda r: r, where=NODES)
     check_tokens(ctx, nodes, 31, BATCH * SEQ_LEN, "throughput.step(x.numel() * dp_size): "
