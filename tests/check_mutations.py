@@ -1741,6 +1741,16 @@ MISTAKES = [
     ("ddp", DDP, "loss_history gets the loss as a number", 7,
      [("            loss_history.append(step_loss)\n",
        "            loss_history.append(step_loss.item())\n")]),
+    ("ddp", DDP, "the evaluation's sums reduced inside its batch loop", 8,
+     [("    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)\n", ""),
+      ("        tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets\n",
+       "        tokens += (y != IGNORE_INDEX).sum()  # padding samples have no targets\n"
+       "        loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)\n")]),
+    ("ddp", DDP, "the validation loss averaged where evaluate() is called", 8,
+     [("    loss_sum, tokens = all_reduce_sum(loss_sum), all_reduce_sum(tokens)\n", ""),
+      ("        val_loss = evaluate(model, val_loader, device)\n",
+       "        val_loss = all_reduce_mean(torch.tensor(evaluate(model, val_loader, device)))"
+       ".item()\n")]),
     ("ddp", DDP, "destroy_process_group() before monitor.close()", 11,
      [("    monitor.close(summary)\n", ""),
       ("    destroy_process_group()\n",
@@ -2179,6 +2189,10 @@ MESSAGES = {
     "destroy_process_group() before monitor.close()": ("though `del model` ran",
                                                         "after monitor.close"),
     "a barrier after destroy_process_group()": ("a collective after destroy_process_group()",),
+    "the evaluation's sums reduced inside its batch loop": ("inside the batch loop",
+                                                            "after the loop"),
+    "the validation loss averaged where evaluate() is called": ("a mean of the ranks' means",
+                                                                "inside evaluate()"),
     "the sync switched on every second micro-batch, a 2 written in": (
         "fewer than once per step", "nullcontext() if last"),
     "the test sampler split over the ranks": (

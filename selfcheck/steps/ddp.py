@@ -152,8 +152,24 @@ def check(ctx) -> None:
             run, "dist.all_reduce") + calls(run, "all_reduce_mean")):
         rep.attempt(8)
     eval_loaders = [l for l in r0.get("loaders", []) if l["dataset"] in (1, 2)]
+    outside = reduced_outside_evaluate(run, ctx.text)
+    inside = reduced_in_eval_loop(ctx.text)
+    if outside:  # (TODO 8's lines may be as shipped: what was tried is named all the same)
+        rep.attempt(8)
     if eval_sharded and ctx.extra.get("ddp_drift"):
         rep.waits(8, f"evaluate() is compared with one process's {one_model}")
+    elif eval_sharded and outside and not any(c["func"] == "evaluate" for c in calls(
+            run, "all_reduce_sum")):
+        rep.fail(8, f"evaluate()'s result is averaged over the ranks where it is called (line "
+                 f"{outside}): a mean of the ranks' means weighs their shards alike though they "
+                 "differ in size, and the loss that is not averaged there stays rank 0's own; add "
+                 "up loss_sum and tokens over the ranks inside evaluate(), all_reduce_sum, "
+                 "before dividing")
+    elif eval_sharded and inside:
+        check_eval_exact(ctx, run, 8, f"the sums are added up over the ranks inside the batch "
+                         f"loop (line {inside}), so each batch adds the totals so far once more: "
+                         "once, after the loop, loss_sum, tokens = all_reduce_sum(loss_sum), "
+                         "all_reduce_sum(tokens)")
     elif eval_sharded:
         hint = ("add up loss_sum and tokens over the ranks (all_reduce_sum) before dividing"
                 if "evaluate" not in discarded else
@@ -307,6 +323,39 @@ def one_sided_collective(run) -> tuple[int, str] | None:
     return 7, (f"rank {rank} waits in {name} (line {line}) and {other}: every rank must call it, "
                "it is a collective: step_loss = all_reduce_mean(loss.detach()) on every rank, "
                "outside any `if rank == 0:` (print0 prints it once)")
+
+
+REDUCTIONS = ("all_reduce_sum", "all_reduce_mean", "all_reduce")
+
+
+def reduced_outside_evaluate(run, text: str) -> int | None:
+    """The line of main() where an evaluation's result goes into a reduction
+    (val_loss = all_reduce_mean(torch.tensor(evaluate(...))))."""
+    lines = text.splitlines()
+    for c in calls(run, "all_reduce_mean") + calls(run, "all_reduce_sum") + calls(
+            run, "dist.all_reduce"):
+        line = c["line"]
+        if c["func"] == "main" and line and line <= len(lines) and "evaluate(" in lines[line - 1]:
+            return line
+    return None
+
+
+def reduced_in_eval_loop(text: str) -> int | None:
+    """The line of a reduction inside evaluate()'s batch loop, if any."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return None
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name == "evaluate":
+            for loop in ast.walk(fn):
+                if isinstance(loop, ast.For):
+                    for node in ast.walk(loop):
+                        name = getattr(getattr(node, "func", None), "id", None) or getattr(
+                            getattr(node, "func", None), "attr", None)
+                        if isinstance(node, ast.Call) and name in REDUCTIONS:
+                            return node.lineno
+    return None
 
 
 def collective_after_destroy(run) -> bool:
