@@ -79,6 +79,14 @@ def check(ctx) -> None:
                 "backward got the averaged loss: all_reduce_mean returns a copy without "
                 "gradient, for the log only; backward takes the rank's own loss (DDP averages "
                 "the gradients), step_loss = all_reduce_mean(loss.detach())"))
+        elif "'DistributedDataParallel' object has no attribute" in (
+                run.failure.message if run.failure else ""):
+            rep.attempt(5)  # (the DDP line may have left TODO 5's place: it is there all the same)
+            report_crash(ctx, run, todo=5, cause=(
+                "the model is wrapped in DDP before this line, which uses the model's own "
+                "methods: the wrapper forwards model(x), parameters() and state_dict(), not the "
+                "rest; wrap it where TODO 5 says, after the lines that use the model itself "
+                "(or call them on model.module)"))
         elif collective_after_destroy(run):
             report_crash(ctx, run, todo=11, cause=(
                 "a collective after destroy_process_group(): the process group is gone by "
@@ -524,8 +532,16 @@ def check_setup(ctx, run) -> None:
                      "setup(args.seed, args.device)")
     elif swapped:
         true, loc = swapped[0]
-        rep.fail(2, f"on rank {true} the variable rank is {loc['rank']}: setup returns "
-                 "local_rank, rank, device, world_size, in that order")
+        again = assigned_after_setup(ctx, "rank")
+        if again:
+            line, code = again
+            rep.fail(2, f"on rank {true} the variable rank is {loc['rank']}: line {line} sets it "
+                     f"again after setup(), `{code}`; delete it, setup() gives each process "
+                     "its global rank (under torchrun a Slurm task starts a node's processes, so "
+                     "SLURM_PROCID is the node's number, not the process's)")
+        else:
+            rep.fail(2, f"on rank {true} the variable rank is {loc['rank']}: setup returns "
+                     "local_rank, rank, device, world_size, in that order")
     elif worlds - {run.geometry.world}:
         reset = world_size_reset(ctx)
         if reset:
@@ -544,6 +560,24 @@ def wrong_world_size(run) -> bool:
     processes (a sampler on rank 1 of "1 replica" then stops the run: TODO 2's, not 3's)."""
     return any(s["locals"].get("world_size", run.geometry.world) != run.geometry.world
                for r in run.ranks if r for s in r.get("samplers", []))
+
+
+def assigned_after_setup(ctx, name: str) -> tuple[int, str] | None:
+    """(line, code) of the first assignment to `name` alone after the setup() call that returned
+    it (rank = int(os.environ["SLURM_PROCID"]) below the setup line)."""
+    try:
+        tree = ast.parse(ctx.text)
+    except SyntaxError:
+        return None
+    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+        assigns = [n for n in ast.walk(function) if isinstance(n, ast.Assign)]
+        setups = [n.lineno for n in assigns if isinstance(n.value, ast.Call) and getattr(
+            n.value.func, "id", getattr(n.value.func, "attr", None)) == "setup"]
+        for node in sorted(assigns, key=lambda n: n.lineno):
+            if setups and node.lineno > min(setups) and any(
+                    getattr(t, "id", None) == name for t in node.targets):
+                return node.lineno, ast.get_source_segment(ctx.text, node) or name
+    return None
 
 
 def world_size_reset(ctx) -> tuple[int, str] | None:
