@@ -1741,6 +1741,11 @@ MISTAKES = [
     ("ddp", DDP, "loss_history gets the loss as a number", 7,
      [("            loss_history.append(step_loss)\n",
        "            loss_history.append(step_loss.item())\n")]),
+    ("ddp", DDP, "the shipped device line left below setup()", 2,
+     [("    local_rank, rank, device, world_size = setup(args.seed, args.device)\n",
+       "    local_rank, rank, device, world_size = setup(args.seed, args.device)\n"
+       "    device = torch.device(\"cuda\" if torch.cuda.is_available() and args.device != "
+       "\"cpu\" else \"cpu\")\n")]),
     ("ddp", DDP, "rank set again from SLURM_PROCID after setup()", 2,
      [("import math\n", "import math\nimport os\n"),
       ("    local_rank, rank, device, world_size = setup(args.seed, args.device)\n",
@@ -1760,6 +1765,12 @@ MISTAKES = [
       ("        val_loss = evaluate(model, val_loader, device)\n",
        "        val_loss = all_reduce_mean(torch.tensor(evaluate(model, val_loader, device)))"
        ".item()\n")]),
+    ("ddp", DDP, "the logged loss the maximum over the ranks", 7,
+     [("import torch.nn.functional as F\n",
+       "import torch.nn.functional as F\nimport torch.distributed as dist\n"),
+      ("step_loss = all_reduce_mean(loss.detach())",
+       "step_loss = loss.detach().clone()\n"
+       "            dist.all_reduce(step_loss, op=dist.ReduceOp.MAX)")]),
     ("ddp", DDP, "destroy_process_group() before monitor.close()", 11,
      [("    monitor.close(summary)\n", ""),
       ("    destroy_process_group()\n",
@@ -2198,6 +2209,8 @@ MESSAGES = {
     "destroy_process_group() before monitor.close()": ("though `del model` ran",
                                                         "after monitor.close"),
     "a barrier after destroy_process_group()": ("a collective after destroy_process_group()",),
+    "the logged loss the maximum over the ranks": ("ReduceOp.MAX", "all_reduce_mean"),
+    "the shipped device line left below setup()": ("makes the device again after setup()",),
     "rank set again from SLURM_PROCID after setup()": ("sets it again after setup()",
                                                        "SLURM_PROCID"),
     "the model wrapped in DDP before model.num_params()": ("wrapped in DDP before this line",

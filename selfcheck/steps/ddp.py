@@ -154,8 +154,17 @@ def check(ctx) -> None:
         rep.fail(7, f"{name} returns the mean as a new tensor and leaves its argument alone: "
                  f"{where}; step_loss = all_reduce_mean(loss.detach())")
     elif near(r0["param_sum"], ref.ranks[0]["param_sum"], 1e-5):
+        mine, theirs = run.summary["loss_history"], ref.summary["loss_history"]
+        pairs = list(zip(mine, theirs))
+        # rank 0's own loss lies above the mean at some steps, below it at others; the
+        # maximum over the ranks lies above it at every step, the minimum below
+        side = ("maximum" if all(m > t for m, t in pairs) else "minimum"
+                if all(m < t for m, t in pairs) else None) if len(pairs) >= 5 else None
         rep.fail(7, "the weights match the single-process run, so training is right, but the "
-                 "logged loss is rank 0's own: step_loss = all_reduce_mean(loss.detach())")
+                 + (f"logged loss is {'above' if side == 'maximum' else 'below'} one "
+                    f"process's at every step, the {side} over the "
+                    f"ranks (ReduceOp.{side[:3].upper()}): the mean, " if side else
+                    "logged loss is rank 0's own: ") + "step_loss = all_reduce_mean(loss.detach())")
     if any(c["func"] == "evaluate" for c in calls(run, "all_reduce_sum") + calls(
             run, "dist.all_reduce") + calls(run, "all_reduce_mean")):
         rep.attempt(8)
@@ -551,6 +560,13 @@ def check_setup(ctx, run) -> None:
         else:
             rep.fail(2, f"world_size is {min(worlds - {run.geometry.world})} in a run of "
                      f"{run.geometry.world} processes: take world_size from setup()")
+    elif (again := assigned_after_setup(ctx, "device")) is not None:
+        # the shipped line left below setup(): on a GPU node it takes cuda, the current GPU,
+        # not the one setup() chose by name; TODO 2 replaces it
+        ctx.extra["device_again"] = True
+        rep.fail(2, f"line {again[0]} makes the device again after setup(), `{again[1]}`: "
+                 "delete it, setup() returns this process's device (its GPU, or the CPU that "
+                 "--device asks for)")
     elif any(r.get("setup") and "returned" in r["setup"][-1] for r in records):
         rep.ok(2, f"{run.geometry.world} ranks joined one process group")
 
@@ -679,8 +695,8 @@ def check_ddp_on_gpus(ctx, run, gpu) -> None:
     """TODO 5 on two pretend nodes of two stand-in GPUs: each process's DDP gets the GPU of its
     local rank."""
     rep = ctx.report
-    if run.crashed or rep.failed(5) or not rep.judged(5):
-        return
+    if run.crashed or rep.failed(5) or not rep.judged(5) or ctx.extra.get("device_again"):
+        return  # (a device made by hand after setup(): TODO 2's FIX says so)
     if gpu.crashed:
         f = gpu.failure
         if f is not None and crash_todo(ctx, f) == 5 and not standin.beyond_the_standin(f):
