@@ -552,7 +552,7 @@ def check_setup(ctx, run) -> None:
             rep.fail(2, f"on rank {true} the variable rank is {loc['rank']}: setup returns "
                      "local_rank, rank, device, world_size, in that order")
     elif worlds - {run.geometry.world}:
-        reset = world_size_reset(ctx)
+        reset = assigned_after_setup(ctx, "world_size", number=True)
         if reset:
             line, code = reset
             rep.fail(2, f"world_size is still {min(worlds - {run.geometry.world})} after "
@@ -578,9 +578,10 @@ def wrong_world_size(run) -> bool:
                for r in run.ranks if r for s in r.get("samplers", []))
 
 
-def assigned_after_setup(ctx, name: str) -> tuple[int, str] | None:
+def assigned_after_setup(ctx, name: str, number: bool = False) -> tuple[int, str] | None:
     """(line, code) of the first assignment to `name` alone after the setup() call that returned
-    it (rank = int(os.environ["SLURM_PROCID"]) below the setup line)."""
+    it (rank = int(os.environ["SLURM_PROCID"]) below the setup line); number: only a number
+    assigned (the shipped `world_size = 1` left there)."""
     try:
         tree = ast.parse(ctx.text)
     except SyntaxError:
@@ -591,26 +592,9 @@ def assigned_after_setup(ctx, name: str) -> tuple[int, str] | None:
             n.value.func, "id", getattr(n.value.func, "attr", None)) == "setup"]
         for node in sorted(assigns, key=lambda n: n.lineno):
             if setups and node.lineno > min(setups) and any(
-                    getattr(t, "id", None) == name for t in node.targets):
+                    getattr(t, "id", None) == name for t in node.targets) and (
+                    not number or isinstance(node.value, ast.Constant)):
                 return node.lineno, ast.get_source_segment(ctx.text, node) or name
-    return None
-
-
-def world_size_reset(ctx) -> tuple[int, str] | None:
-    """(line, code) of a number assigned to world_size after the setup() call that returned it
-    (the shipped `world_size = 1` left below the new setup line)."""
-    try:
-        tree = ast.parse(ctx.text)
-    except SyntaxError:
-        return None
-    for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
-        assigns = [n for n in ast.walk(function) if isinstance(n, ast.Assign)]
-        setups = [n.lineno for n in assigns if isinstance(n.value, ast.Call) and getattr(
-            n.value.func, "id", getattr(n.value.func, "attr", None)) == "setup"]
-        for node in sorted(assigns, key=lambda n: n.lineno):
-            if setups and node.lineno > min(setups) and isinstance(node.value, ast.Constant) \
-                    and any(getattr(t, "id", None) == "world_size" for t in node.targets):
-                return node.lineno, ast.get_source_segment(ctx.text, node) or "world_size = 1"
     return None
 
 
