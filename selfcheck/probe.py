@@ -316,6 +316,7 @@ class Probe:
         wrap(ck, "save_sharded_model", before=called(
             "save_sharded_model", state_step=saved("step"), state_epoch=saved("epoch"),
             state_batches=saved("batches_done"),
+            path=lambda *a, **k: str(k.get("path", a[2] if len(a) > 2 else "")),
             optimizer_steps=lambda *a, **k: record.get("optimizer_calls", {}).get("steps")))
 
         def batches_per_epoch(*a, **k):  # samples or batches? (a resume at an epoch's end)
@@ -984,6 +985,7 @@ def describe_fsdp(m):
             "inner": inner,
             "reshard_after_forward": [flag for flag, _ in blocks],
             "offload": [policy for _, policy in blocks], "root_offload": root[1],
+            "root_reshard": root[0],
             "precision": [precision(b) if isinstance(b, FSDPModule) else None
                           for b in layers],
             "root_precision": precision(m) if isinstance(m, FSDPModule) else None}

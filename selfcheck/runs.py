@@ -128,10 +128,10 @@ class Rank:
         self.process.join()
 
 
-def enter_rank(env: dict, out: str, err: str | None = None) -> None:
+def enter_rank(env: dict, out: str, err: str | None = None, cwd: Path = ROOT) -> None:
     """The start of a rank, in the forked process: its own session (so that killing it kills
     what it started), its output in a file (stderr in `err`, or with stdout), its environment
-    and the repository as its working folder. (Also tests/warm_launch.py's ranks.)"""
+    and its working folder. (Also tests/warm_launch.py's ranks.)"""
     os.setsid()
     for fd, path in ((1, out), (2, err)):
         if path is None:
@@ -144,12 +144,14 @@ def enter_rank(env: dict, out: str, err: str | None = None) -> None:
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
-    os.chdir(ROOT)
+    os.chdir(cwd)
 
 
 def rank_main(probe_args: list[str], env: dict, log: str) -> None:
-    """A rank of the check: enter_rank, then the probe."""
-    enter_rank(env, log)
+    """A rank of the check: enter_rank, then the probe. It works in its run's folder: a file
+    the script writes to a relative path lands there (the check names it), not in the
+    participant's checkout, and two runs at once do not write into one folder."""
+    enter_rank(env, log, cwd=Path(log).parent)
     import selfcheck.probe
     selfcheck.probe.MODULES_AT_FORK = frozenset(sys.modules)
     selfcheck.probe.main(probe_args)

@@ -401,7 +401,14 @@ def check_imports(ctx: Context, todo: int, run) -> None:
                {b.split(".")[-1] for b in bound}]
     if ctx.report.failed(todo):
         return
-    if not missing:
+    rebound = imported_as_other(ctx, todo, run)
+    if rebound:
+        ctx.report.fail(todo, "; ".join(
+            f"{name} is {bound} here, not {short_import(target)}"
+            for name, (bound, target) in rebound.items())
+            + ": " + "; ".join(f"from {target.rpartition('.')[0]} import "
+                               f"{target.rpartition('.')[2]}" for _, target in rebound.values()))
+    elif not missing:
         ctx.report.ok(todo, "everything the step uses is imported")
     elif len(missing) == len(wanted):
         ctx.report.fail(todo, "nothing of it is imported yet: " + ", ".join(
@@ -413,6 +420,20 @@ def check_imports(ctx: Context, todo: int, run) -> None:
             ctx.report.fail(todo, "import " + ", ".join(short_import(t) for t in really))
         else:  # the script does without them: nothing to fix
             ctx.report.ok(todo, "the names the script uses are imported")
+
+
+def imported_as_other(ctx: Context, todo: int, run) -> dict[str, tuple[str, str]]:
+    """{name: (what it is, what the solution imports under it)} for the names of a TODO's
+    imports that the script binds to something else (FSDP1's FullyShardedDataParallel
+    imported as FSDPModule): the script runs, but every isinstance and call means another
+    thing."""
+    record = next((r for r in run.ranks if r), None) if run.ranks else None
+    bound = (record or {}).get("globals", {})
+    last = {b.rsplit(".", 1)[-1] for b in bound.values()}
+    return {name: (bound[name].rsplit(".", 1)[-1], target)
+            for name, target in ctx.imports_of().get(todo, {}).items()
+            if name in bound and bound[name].rsplit(".", 1)[-1] != target.rsplit(".", 1)[-1]
+            and target.rsplit(".", 1)[-1] not in last}
 
 
 def short_import(target: str) -> str:
@@ -751,9 +772,28 @@ def check_tokens(ctx, run, todo, tokens_per_step, how, prefix: str = "") -> None
                         f"trains on {tokens_per_step}{factor}: {how}")
 
 
-def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how="") -> None:
+def written_elsewhere(run, name) -> str | None:
+    """Where rank 0 wrote a file of this name instead of the run's folder, with the line (None
+    if it did not)."""
+    for s in (run.ranks[0] or {}).get("saves", []) if run.ranks else []:
+        path = Path(s["path"])
+        if path.name == name and path.parent != run.out and not (run.out / name).exists():
+            folder = "the current folder" if str(path.parent) == "." else str(path.parent)
+            return f"{folder} (line {s['line']})"
+    return None
+
+
+def check_weights_file(ctx, run, ref, todo, name, ref_name="final_model.pt", how="",
+                       save_with="") -> None:
+    """The weights file `name` of the run against the reference's: written into --out-dir
+    (`save_with` says how, where it went elsewhere), loading into a plain model, equal."""
     rep = ctx.report
     path = run.out / name
+    elsewhere = written_elsewhere(run, name)
+    if elsewhere and save_with:
+        rep.fail(todo, f"{name} is written into {elsewhere}, not into the run's folder "
+                 f"--out-dir: {save_with}")
+        return
     if not path.exists():
         rep.fail(todo, f"{name} was not written{how}")
         return

@@ -11,7 +11,6 @@ import ast
 import copy
 import itertools
 import re
-from pathlib import Path
 
 from selfcheck import standin
 from selfcheck.compare import first_difference, near
@@ -721,15 +720,8 @@ def check_saves(ctx, run, ref) -> None:
                  "node: it does not pick one process of the job)")
         return
     for name in ("final_model.pt", "best_model.pt"):
-        elsewhere = [s for s in (run.ranks[0] or {}).get("saves", [])
-                     if Path(s["path"]).name == name and Path(s["path"]).parent != run.out]
-        if elsewhere and not (run.out / name).exists():
-            folder = str(Path(elsewhere[0]["path"]).parent)
-            folder = "the current folder" if folder == "." else folder
-            rep.fail(10, f"{name} is written into {folder} (line {elsewhere[0]['line']}), not "
-                     f"into the run's folder --out-dir: save0(model, out_dir / '{name}')")
-            continue
-        check_weights_file(ctx, run, ref, 10, name, ref_name=name)
+        check_weights_file(ctx, run, ref, 10, name, ref_name=name,
+                           save_with=f"save0(model, out_dir / '{name}')")
 
 
 def check_teardown(ctx, run, late=None) -> None:

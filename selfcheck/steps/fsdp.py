@@ -21,7 +21,8 @@ from selfcheck.compare import (first_difference, first_different_tensor, load_ch
                                near)
 from selfcheck.runs import ONE, TWO_NODES, Run
 from selfcheck.steps.common import (SEED_ALIKE, calls, check_eval_exact, check_imports,
-                                    check_losses, check_weights_file, crash_todo, inner_units,
+                                    check_losses, check_weights_file, crash_todo,
+                                    imported_as_other, inner_units,
                                     rank_with_other_initial_weights, report_crash)
 
 FILE = "train/fsdp_training.py"
@@ -72,7 +73,7 @@ def check(ctx) -> None:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     for r in (run, stop):
         if r.crashed:
-            report_crash(ctx, r)
+            report_crash(ctx, r, cause=uneven_saves(r))
             rep.note(f"(full output of the {r.name} run: {r.dir / 'output.txt'})")
             break
     if not run.ranks[0]:
@@ -105,7 +106,26 @@ def check(ctx) -> None:
     if calls(run, "save_full_model"):
         rep.attempt(22)
     if sharded or calls(run, "save_full_model"):
-        check_weights_file(ctx, run, ref, 22, "final_model.pt")
+        check_weights_file(ctx, run, ref, 22, "final_model.pt",
+                           save_with="save_full_model(model, out_dir / 'final_model.pt')")
+
+
+def uneven_saves(run) -> str | None:
+    """Why a run stopped in a save, when the ranks did not save the same checkpoints in the
+    same order (a sharded checkpoint needs every rank: rank 0 alone saving "best" meets the
+    other rank's save of "last"). None if they saved alike."""
+    saves = [calls(run, "save_sharded_model", rank=r) for r in range(run.geometry.world)]
+    names = [[Path(c.get("path") or "?").name for c in s] for s in saves]
+    for i in range(max(len(n) for n in names)):
+        here = [n[i] if i < len(n) else None for n in names]
+        if len(set(here)) > 1:
+            r = next(r for r, n in enumerate(here) if n is not None)
+            other = next(o for o, n in enumerate(here) if n != here[r])
+            doing = f"saves {here[other]}" if here[other] else "saves nothing"
+            return (f"rank {r} saves {here[r]} (line {saves[r][i].get('line')}) while rank "
+                    f"{other} {doing}: every rank writes its own shards of a checkpoint, so "
+                    "every rank calls save_sharded_model for it (not under `if rank == 0:`)")
+    return None
 
 
 def check_bf16_policy(ctx, bf16) -> None:
@@ -128,7 +148,15 @@ def check_bf16_policy(ctx, bf16) -> None:
         rep.fail(18, problem + (f" (the --precision bf16 run stopped with: {stopped})"
                                 if stopped else ""))
     elif bf16.crashed:
-        report_crash(ctx, bf16)
+        cause = None
+        fp32_out = [p for p in (units or {}).get("precision") or [] if p and p[2] == "float32"]
+        if fp32_out and "mixed dtype" in (bf16.failure.message if bf16.failure else ""):
+            cause = ("the blocks' policy has output_dtype=torch.float32 too: each block hands "
+                     "fp32 activations to the root's bf16 final norm, which a CPU cannot mix "
+                     "(a GPU's autocast runs norms in fp32 and hides it, for a cast per block); "
+                     "give output_dtype to the root only, for the logits")
+        report_crash(ctx, bf16, todo=18 if cause else None, cause=cause,
+                     prefix="with --precision bf16, ")
         rep.note(f"(full output of the --precision bf16 run: {bf16.dir / 'output.txt'})")
     elif problem == "":  # (None: FSDP's internals did not say, nothing to judge)
         rep.ok(18, "with --precision bf16 every unit gathers bf16 weights and sums gradients in "
@@ -255,6 +283,11 @@ def check_sharding(ctx, run, stop, ref) -> None:
                 rep.fail(18, f"--reshard-after-forward true/false gave the blocks "
                          f"reshard_after_forward={flags[0][0]}/{flags[1][0]}: pass "
                          "reshard_after_forward to fully_shard of every block")
+    if root and units.get("root_reshard"):
+        rep.fail(18, "the root gets reshard_after_forward=True: it frees its weights (the "
+                 "embeddings and the output layer) after forward, and backward gathers them "
+                 "again at once, one all-gather more per step; pass reshard_after_forward to "
+                 "the blocks only and leave it out of fully_shard(model, ...)")
     full = ref.summary["model_state_bytes_per_rank"][0]
     mine = (run.summary or {}).get("model_state_bytes_per_rank") or []
     if mine and max(mine) <= 0.6 * full:
@@ -270,7 +303,11 @@ def check_sharding(ctx, run, stop, ref) -> None:
                "stopped)")
     evals = r0.get("evals", [])
     kept = [e for e in (stop.ranks[0] or {}).get("evals", []) if not e["resharded"]]
-    if evals and not all(e["resharded"] for e in evals):
+    if (evals and not all(e["resharded"] for e in evals) or kept) \
+            and "FSDPModule" in imported_as_other(ctx, 17, run):
+        rep.waits(19, "the reshard after evaluate() is checked once FSDPModule is FSDP2's "
+                  "class, the one fully_shard's units are (TODO 17's FIX)")
+    elif evals and not all(e["resharded"] for e in evals):
         rep.fail(19, "after evaluate() the root's full weights stay gathered on every rank: "
                  "reshard at the end of evaluate(), unit.reshard() for every FSDPModule in "
                  "model.modules()")
@@ -433,7 +470,16 @@ def check_checkpoints(ctx, run, stop, resumed) -> None:
     if not (last / ".metadata").is_file():
         saved0 = [s for s in calls(run, "save_sharded_model", rank=0)]
         saved1 = [s for s in calls(run, "save_sharded_model", rank=1)]
-        if saved0 and not saved1:
+        outside = [s for s in saved0 if s.get("path") and not (
+            Path(s["path"]).is_absolute() and Path(s["path"]).is_relative_to(run.out))]
+        if outside:
+            folder = Path(outside[0]["path"])
+            where = "the current folder" if not folder.is_absolute() else str(folder.parent)
+            rep.fail(20, f"the checkpoints are saved into {where} ({folder}, line "
+                     f"{outside[0].get('line')}), not into the run's folder --out-dir, where "
+                     "--resume auto and a restart look for them: save_sharded_model(model, "
+                     "optimizer, out_dir / 'checkpoints' / name, train_state)")
+        elif saved0 and not saved1:
             rep.fail(20, "only rank 0 calls save_sharded_model: every rank writes its own "
                      "shards, call it on every rank")
         else:
@@ -497,16 +543,18 @@ def check_checkpoints(ctx, run, stop, resumed) -> None:
                  "if args.checkpoint_every and step % args.checkpoint_every == 0: "
                  "save_checkpoint('last', ...) in the training loop")
         return
+    last = [c["optimizer_steps"] for c in saves if Path(c.get("path") or "").name == "last"]
+    if last and max(last) < STOP_AT and final_state(stop).get("step") != STOP_AT:
+        rep.fail(20, f"the run stopped by --max-steps {STOP_AT} saved 'last' for the last "
+                 f"time after step {max(last)}: the steps since are lost on a resume; save 'last' where "
+                 "the run stops too, before the break at args.max_steps")
+        return
     check_saved_positions(ctx, run, saves)
 
 
 def check_saved_positions(ctx, run, saves) -> None:
     """TODO 20: every checkpoint's train_state says where the run was: the step it was saved
     after, and an epoch and batches_done that resume_position turns back into that step."""
-    args = run.summary.get("args", {}) if run.summary else {}
-    if args.get("max_steps") or not args.get("epochs"):
-        return
-    per_epoch = run.summary["steps"] // args["epochs"]  # the uninterrupted run's epochs
     for c in saves:
         step, epoch, done = c.get("state_step"), c.get("state_epoch"), c.get("state_batches")
         trained = c.get("optimizer_steps")
@@ -516,14 +564,27 @@ def check_saved_positions(ctx, run, saves) -> None:
             ctx.report.fail(20, f"a checkpoint saved after {trained} optimizer steps says step "
                             f"{step}: save it after step += 1, with the step just trained")
             return
-        if epoch * per_epoch + done != step:
-            ctx.extra["wrong_position"] = True
-            ctx.report.fail(20, f"the checkpoint after step {step} says epoch {epoch}, "
-                            f"batches_done {done}: a resume would go on at step "
-                            f"{epoch * per_epoch + done} ({per_epoch} steps per epoch). Save the "
-                            "epoch the loop is in and the batches done in it, counted before "
-                            "the save")
-            return
+    wrong = wrong_position(run, saves)
+    if wrong:
+        ctx.extra["wrong_position"] = True
+        ctx.report.fail(20, f"{wrong}. Save the epoch the loop is in and the batches done in "
+                        "it, counted before the save")
+
+
+def wrong_position(run, saves) -> str | None:
+    """The first checkpoint whose epoch and batches_done do not lead back to the step it was
+    saved after, said in words (None if all do, or the run has no whole epochs to count)."""
+    args = run.summary.get("args", {}) if run.summary else {}
+    if args.get("max_steps") or not args.get("epochs"):
+        return None
+    per_epoch = run.summary["steps"] // args["epochs"]  # the uninterrupted run's epochs
+    for c in saves:
+        step, epoch, done = c.get("state_step"), c.get("state_epoch"), c.get("state_batches")
+        if None not in (step, epoch, done) and epoch * per_epoch + done != step:
+            return (f"the checkpoint after step {step} says epoch {epoch}, batches_done {done}: "
+                    f"a resume would go on at step {epoch * per_epoch + done} ({per_epoch} "
+                    "steps per epoch)")
+    return None
 
 
 def check_resume(ctx, stop, resumed, ref) -> None:
@@ -531,7 +592,11 @@ def check_resume(ctx, stop, resumed, ref) -> None:
     if stop.crashed:
         return
     if resumed is None:
-        rep.fail(21, "needs the checkpoints of TODO 20 first") if not rep.failed(20) else None
+        if rep.failed(20):
+            rep.waits(21, "resuming is checked once the run saves a checkpoint to resume from "
+                      "(fix TODO 20 above first)")
+        else:
+            rep.fail(21, "needs the checkpoints of TODO 20 first")
         return
     r = resumed.ranks[0] or {}
     parser = r.get("parser", {})
@@ -626,8 +691,20 @@ def check_resume(ctx, stop, resumed, ref) -> None:
         return
     i = first_difference(history, ref_history)
     if i is not None:
-        if i < STOP_AT:
+        trained = sum(((r.get("optimizer_calls") or {}).get("backwards_per_step")) or [])
+        if i < STOP_AT and trained == theirs["steps"]:
+            why = (f"it trained all {trained} steps again, from step 0 with the loaded "
+                   "weights: a line after your resume code sets step, best_val or "
+                   "loss_history back to where a new run starts; resume after those lines")
+        elif i < STOP_AT:
             why = "the restored losses differ from the run that saved them"
+        elif i == STOP_AT and set_first(r) != resumed_epoch(ctx):
+            first = set_first(r)
+            why = (f"the resumed run goes on in epoch {resumed_epoch(ctx)}, but its training "
+                   "sampler " + ("was never given an epoch before it" if first is None else
+                                 f"was set to epoch {first} first")
+                   + ", so it draws another order: call train_sampler.set_epoch(epoch) at the "
+                   "start of every epoch, the epoch it is about to train")
         elif i == STOP_AT and near(history[i], ref_history[0], 0.05):
             why = ("the first step after resuming has the loss of an untrained model: load the "
                    "weights (load_sharded_model after wrapping the model)")
@@ -655,15 +732,27 @@ def check_resume(ctx, stop, resumed, ref) -> None:
             rep.fail(21, f"after resuming, the final checkpoint differs from the uninterrupted "
                      f"run's in {key}")
             return
+    wrong = wrong_position(resumed, calls(resumed, "save_sharded_model", rank=0))
+    if wrong:
+        rep.fail(21, f"after resuming, {wrong}: count the batches that resuming skips in "
+                 "batches_done too (batches_done = start_batch in the epoch resumed), so that "
+                 "the next checkpoint says where the run is")
+        return
     best_key = ctx.extra.get("best_key")
-    if best_key and (resumed.out / "checkpoints" / "best").exists():
+    new_best = best_key and (resumed.out / "checkpoints" / "best").exists()
+    if new_best and final_state(resumed).get(best_key) == UNBEATABLE:
+        rep.fail(20, "the resumed run kept the checkpoint's best validation loss (better than "
+                 "any it reached) and still saved a new 'best': save 'best' only where the "
+                 "validation loss improves, if val_loss < best_val")
+    elif new_best:
         rep.fail(21, "the resumed run saved a new 'best' checkpoint although the checkpoint's "
                  f"best validation loss was better: restore best_val from "
                  f"train_state[{best_key!r}]")
         return
     folder = stop.out / "checkpoints" / "last"
-    if not says_where_it_resumed(r, folder, STOP_AT):
-        rep.fail(21, f"the run resumed from checkpoints/last at step {STOP_AT}, but rank 0 "
+    at = (ctx.extra.get("resume_state") or {}).get("step", STOP_AT)
+    if not says_where_it_resumed(r, folder, at):
+        rep.fail(21, f"the run resumed from checkpoints/last at step {at}, but rank 0 "
                  "printed no line that names that folder and step: say on rank 0 where the run "
                  "resumed from and at which step, print0(f'resumed from {resume} at step "
                  "{step}'): the job's log is all an instructor sees of a restart")
@@ -674,6 +763,25 @@ def check_resume(ctx, stop, resumed, ref) -> None:
     if not best_key:
         rep.waits(21, "whether the best validation loss comes back is checked once train_state "
                   "holds it (fix TODO 20 above first)")
+
+
+def resumed_epoch(ctx) -> int | None:
+    """The epoch the resumed run goes on in, from the checkpoint it resumed."""
+    return (ctx.extra.get("resume_state") or {}).get("epoch")
+
+
+def set_first(record: dict) -> int | None:
+    """The epoch the run first gave its training sampler (the first sampler it made)."""
+    return next((epoch for index, epoch in record.get("set_epoch", []) if index == 0), None)
+
+
+def final_state(run) -> dict:
+    """The train_state of the run's last checkpoint ({} if there is none to read)."""
+    try:
+        state = json.loads((run.out / "checkpoints" / "last" / "train_state.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return state if isinstance(state, dict) else {}
 
 
 def says_where_it_resumed(record: dict, folder: Path, step: int) -> bool:
