@@ -1821,6 +1821,8 @@ MISTAKES = [
        '        batches_done = 0\n'),
       ('        for x, y in monitor.batches(itertools.islice(train_loader, batches_done, None)):\n',
        '        skip = start_batch if epoch == start_epoch else 0\n        for x, y in monitor.batches(itertools.islice(train_loader, skip, None)):\n')]),
+    ("fsdp", FSDP, "the reshard flag compared with 'false'", 19,
+     [('args.reshard_after_forward == "true")', 'args.reshard_after_forward == "false")')]),
     ("fsdp", FSDP, 'the full model exported to a relative path', 22,
      [('    save_full_model(model, out_dir / "final_model.pt")\n',
        '    save_full_model(model, "final_model.pt")\n')]),
@@ -1863,6 +1865,7 @@ MESSAGES = {
     "the batches skipped on resuming not counted in batches_done": (
         "after resuming, the checkpoint after step 10 says epoch 1, batches_done 3",
         "batches_done = start_batch"),
+    "the reshard flag compared with 'false'": ("the flag arrives inverted",),
     "the full model exported to a relative path": (
         "final_model.pt is written into the current folder",
         "save_full_model(model, out_dir / 'final_model.pt')"),

@@ -274,6 +274,10 @@ def check_sharding(ctx, run, stop, ref) -> None:
                          "True of any non-empty string; choices=['true', 'false'], "
                          "default='true', and apply_fsdp(..., args.reshard_after_forward == "
                          "'true')")
+            elif reshard_given(r0)[:1] == [False] and reshard_given(stop.ranks[0])[:1] == [True]:
+                rep.fail(19, "the flag arrives inverted: --reshard-after-forward true gives "
+                         "apply_fsdp reshard_after_forward=False, and false gives True: pass "
+                         "args.reshard_after_forward == 'true'")
             elif any(flags[1]) and reshard_given(stop.ranks[0])[:1] == [True]:
                 # apply_fsdp passes on what it gets; its caller turned "false" into True
                 rep.fail(19, "with --reshard-after-forward false, apply_fsdp gets "
