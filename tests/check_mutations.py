@@ -1786,6 +1786,9 @@ MISTAKES = [
     ("fsdp", FSDP, "the model built from a seed per rank, then sharded", 18,
      [("    model = TransformerLM(cfg).to(device)\n",
        "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    ("ddp", DDP, "the logged loss summed over the ranks and divided by 2", 7,
+     [("step_loss = all_reduce_mean(loss.detach())",
+       "step_loss = all_reduce_sum(loss.detach()) / 2")]),
     ("fsdp", FSDP, "FSDPModule imported as FSDP1's FullyShardedDataParallel", 17,
      [('from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard\n',
        'from torch.distributed.fsdp import FullyShardedDataParallel as FSDPModule\nfrom torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n')]),
@@ -1846,6 +1849,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the logged loss summed over the ranks and divided by 2": (
+        "on 4 ranks (the stand-in GPU run)", "Divide by the world size"),
     "FSDPModule imported as FSDP1's FullyShardedDataParallel": (
         "FSDPModule is FullyShardedDataParallel here", "from torch.distributed.fsdp import "
         "FSDPModule"),

@@ -147,7 +147,9 @@ def check(ctx) -> None:
                  "epoch's train loss, summary.json) gets rank 0's own loss: average before "
                  "appending, step_loss = all_reduce_mean(loss.detach())")
     elif check_losses(ctx, run, ref, 7):
-        check_tokens(ctx, run, 7, BATCH * 2 * SEQ_LEN, "throughput.step(x.numel() * world_size)")
+        if check_loss_on_four_ranks(ctx, run, gpu):
+            check_tokens(ctx, run, 7, BATCH * 2 * SEQ_LEN,
+                         "throughput.step(x.numel() * world_size)")
     elif discarded.get("main"):
         name, where = discarded["main"]
         rep.fail(7, f"{name} returns the mean as a new tensor and leaves its argument alone: "
@@ -707,6 +709,21 @@ def check_ddp_on_gpus(ctx, run, gpu) -> None:
             return
     rep.ok(5, "on 2 pretend nodes x 2 stand-in GPUs each process's DDP uses the GPU of its "
            "local rank")
+
+
+def check_loss_on_four_ranks(ctx, run, gpu) -> bool:
+    """TODO 7 at another world size: the first logged loss of the 4-rank stand-in GPU run is
+    an untrained model's, like the 2-rank run's (within a few percent: other batches). A mean
+    that divides by a number written in (all_reduce_sum(loss) / 2) is right on 2 ranks only."""
+    mine = ((gpu.summary or {}).get("loss_history") or [None])[0]
+    two = run.summary["loss_history"][0] if run.summary["loss_history"] else None
+    if gpu.crashed or not mine or not two or near(mine, two, 0.1):
+        return True
+    ctx.report.fail(7, f"on 4 ranks (the stand-in GPU run) the first logged loss is "
+                    f"{mine:.4f}, {mine / two:.2f} times the {two:.4f} on 2 ranks: a number "
+                    "written in for the ranks? Divide by the world size, step_loss = "
+                    "all_reduce_mean(loss.detach())")
+    return False
 
 
 def check_saves(ctx, run, ref) -> None:
