@@ -167,9 +167,11 @@ class Probe:
                     del argv[i:i + 1 + int(n)]
                     missing.append(flag)
             ns = parse_args(parser, argv, namespace)
+            simple = (int, float, str, bool, type(None))
             record["parser"] = {"missing": missing, "options": sorted(known), "values": {
-                k: v for k, v in vars(ns).items()
-                if isinstance(v, (int, float, str, bool, type(None)))}}
+                k: v for k, v in vars(ns).items() if isinstance(v, simple)},
+                "defaults": {a.dest: a.default for a in parser._actions
+                             if a.option_strings and isinstance(a.default, simple)}}
             return ns
         argparse.ArgumentParser.parse_args = parse_args_
 

@@ -1789,6 +1789,8 @@ MISTAKES = [
     ("ddp", DDP, "the logged loss summed over the ranks and divided by 2", 7,
      [("step_loss = all_reduce_mean(loss.detach())",
        "step_loss = all_reduce_sum(loss.detach()) / 2")]),
+    ("fsdp", FSDP, "--reshard-after-forward defaulting to false", 18,
+     [('choices=["true", "false"], default="true",', 'choices=["true", "false"], default="false",')]),
     ("fsdp", FSDP, "FSDPModule imported as FSDP1's FullyShardedDataParallel", 17,
      [('from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard\n',
        'from torch.distributed.fsdp import FullyShardedDataParallel as FSDPModule\nfrom torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard\n')]),

@@ -262,6 +262,11 @@ def check_sharding(ctx, run, stop, ref) -> None:
         rep.fail(18, "there is no --reshard-after-forward option yet: "
                  "parser.add_argument('--reshard-after-forward', choices=['true', 'false'], "
                  "default='true')")
+    elif parser.get("defaults", {}).get("reshard_after_forward", "true") not in ("true", True):
+        default = parser["defaults"]["reshard_after_forward"]
+        rep.fail(18, f"--reshard-after-forward defaults to {default!r}: a run without the flag "
+                 "keeps every block's gathered weights until backward, more memory than "
+                 "fully_shard's own default; default='true'")
     else:
         flags = [units.get("reshard_after_forward"),
                  (stop.ranks[0] or {}).get("fsdp", {}) .get("reshard_after_forward")
