@@ -392,7 +392,22 @@ class Probe:
                 "device_type": a[0] if a else k.get("device_type"),
                 "shape": list(mesh.mesh.shape), "names": list(mesh.mesh_dim_names or []),
                 "coords": list(mesh.get_coordinate() or [])})
-        wrap(dm, "init_device_mesh", after=mesh_after)
+        # the same function under every public name it has (torch.distributed.tensor bound it
+        # when it was imported, before the probe), and a DeviceMesh the script builds itself
+        made = dm.init_device_mesh
+        wrapped = wrap(dm, "init_device_mesh", after=mesh_after) and dm.init_device_mesh
+        for owner in ("torch.distributed", "torch.distributed.tensor",
+                      "torch.distributed.tensor.device_mesh"):
+            if getattr(sys.modules.get(owner), "init_device_mesh", None) is made:
+                sys.modules[owner].init_device_mesh = wrapped
+        mesh_init = dm.DeviceMesh.__init__
+
+        @functools.wraps(mesh_init)
+        def mesh_init_(mesh, *a, **k):
+            mesh_init(mesh, *a, **k)
+            if sys._getframe(1).f_code.co_filename == probe.script:  # (not torch's own)
+                mesh_after(mesh, *a, **k)
+        dm.DeviceMesh.__init__ = mesh_init_
         import torch.distributed.tensor.parallel as tpar
 
         def plan_layouts(*a, **k):

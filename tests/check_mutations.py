@@ -2903,6 +2903,17 @@ CORRECT = [
        "step_loss = loss.detach().clone()\n"
        "            torch.distributed.all_reduce(step_loss, group=dp_group)\n"
        "            step_loss /= dp_size")]),
+    ("tp", TP, "init_device_mesh imported from torch.distributed.tensor",
+     [("from torch.distributed.device_mesh import init_device_mesh\n", ""),
+      ("from torch.distributed.tensor import Replicate\n",
+       "from torch.distributed.tensor import Replicate, init_device_mesh\n")]),
+    ("tp", TP, "the DeviceMesh built by hand",
+     [("from torch.distributed.device_mesh import init_device_mesh\n",
+       "from torch.distributed.device_mesh import DeviceMesh\n"),
+      ('    mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),\n'
+       '                            mesh_dim_names=("dp", "tp"))\n',
+       '    mesh = DeviceMesh(device.type, torch.arange(world_size).view(-1, args.tp),\n'
+       '                      mesh_dim_names=("dp", "tp"))\n')]),
     ("collectives", COLL, "the fit by numpy.polyfit",
      [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
     slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))
