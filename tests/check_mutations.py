@@ -1792,6 +1792,9 @@ MISTAKES = [
     ("memory", MEM, "the model built from a seed per rank, sharded in the FSDP layouts", 56,
      [("    model = TransformerLM(cfg).to(device)\n",
        "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    # ---- tensor parallelism: the second red-team round's mistakes ----------------------------
+    ("tp", TP, "--tp parsed by type=int (0 taken)", 25,
+     [('parser.add_argument("--tp", type=positive_int,', 'parser.add_argument("--tp", type=int,')]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2197,6 +2200,7 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "--tp parsed by type=int (0 taken)": ("--tp 0", "type=positive_int"),
     "the model built from a seed per rank, sharded in the FSDP layouts": (
         "other initial weights",),
     "DataParallel imported under the name DDP": ("DataParallel", "DistributedDataParallel as DDP"),

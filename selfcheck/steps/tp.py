@@ -39,11 +39,14 @@ def check(ctx) -> None:
               eval_probe=True, optional=OPTIONAL)
     bad = Run(ctx.work, "tp3", ctx.script, BATCH, geometry=ONE, optional=OPTIONAL,
               extra=["--tp", "3", "--max-steps", "1"])
+    # a degree of 0 is no degree: the parser's type must refuse it (type=int lets it through)
+    zero = Run(ctx.work, "tp0", ctx.script, BATCH, geometry=ONE, optional=OPTIONAL,
+               extra=["--tp", "0", "--max-steps", "1"])
     # on two nodes with one process each, TP must stay inside a node: --tp defaults to 1, and
     # the two replicas (dp 2) must train and evaluate like one process on the same global batch
     nodes = Run(ctx.work, "two nodes", ctx.script, BATCH // 2, geometry=TWO_NODES,
                 optional=OPTIONAL, extra=SHORT, eval_probe=True)
-    ref.wait(), run.wait(), bad.wait(), nodes.wait()
+    ref.wait(), run.wait(), bad.wait(), zero.wait(), nodes.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     records = [r for r in run.ranks if r]
@@ -51,7 +54,7 @@ def check(ctx) -> None:
         report_crash(ctx, run)
         return
     r0 = records[0]
-    check_option(ctx, run, bad, nodes)
+    check_option(ctx, run, bad, zero, nodes)
     mesh = check_mesh(ctx, run)
     check_plan(ctx, run)
     if run.crashed:
@@ -436,7 +439,7 @@ def report_nodes_crash(ctx, nodes, default_todo=None) -> None:
     report_crash(ctx, nodes, todo=todo, cause=cause, prefix=NODES)
 
 
-def check_option(ctx, run, bad, nodes) -> None:
+def check_option(ctx, run, bad, zero, nodes) -> None:
     rep = ctx.report
     parser = (run.ranks[0] or {}).get("parser", {})
     given = ((bad.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
@@ -465,10 +468,15 @@ def check_option(ctx, run, bad, nodes) -> None:
                  "default=int(os.environ.get('LOCAL_WORLD_SIZE', 1))")
     else:
         on_nodes = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+        zero_taken = zero_accepted(zero)
         if on_nodes is not None and on_nodes != 1:
             rep.fail(25, f"on two nodes with one process each --tp defaults to {on_nodes}: TP "
                      "must stay inside a node, default=int(os.environ.get('LOCAL_WORLD_SIZE', 1)) "
                      "(the processes of this node, not WORLD_SIZE)")
+        elif zero_taken:
+            rep.fail(25, f"--tp 0 is taken as a degree, and the run {zero_taken}: the parser must "
+                     "refuse 0 and negative degrees in one line, add_argument('--tp', "
+                     "type=positive_int, ...) instead of type=int")
         else:
             rep.ok(25, f"--tp defaults to the processes per node ({tp})")
     # --tp 3 in one process cannot split: one line, no traceback (check_tp_degree, TODO 26)
@@ -483,6 +491,20 @@ def check_option(ctx, run, bad, nodes) -> None:
         rep.fail(26, f"with --tp 3 in one process the run ends in {f.message[:80]!r} instead of "
                  "one line saying what to change: check_tp_degree(args.tp, world_size, cfg) "
                  "first")
+
+
+def zero_accepted(zero) -> str | None:
+    """What the run given --tp 0 did once its parser took the 0 ("went on", "stopped in ..."),
+    or None where the parser refused it (or the script has no --tp yet)."""
+    r = zero.ranks[0] or {}
+    if (r.get("parser", {}).get("values", {}) or {}).get("tp") != 0:
+        return None
+    f = zero.failure
+    if f is None:
+        return "went on"
+    if f.kind == "exit" and f.message.startswith("error:"):
+        return None  # (a one-line stop after the parser, the script's own check: fine too)
+    return f"stopped with {f.message[:80]!r}"
 
 
 def check_mesh(ctx, run) -> str:
