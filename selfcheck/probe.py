@@ -789,6 +789,8 @@ class Probe:
                     calls.append(entry)
                 result = _original(*a, **k)
                 entry["returned"] = True
+                if result is None:  # (a function without its `return model`)
+                    entry["none"] = True
                 if _name == "apply_tp" and hasattr(result, "named_parameters"):
                     try:  # the split as the plan left it: a later fully_shard that fails midway
                         entry["plan"] = describe_tp(result)  # changes parameters too

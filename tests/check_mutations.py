@@ -1795,6 +1795,10 @@ MISTAKES = [
     # ---- tensor parallelism: the second red-team round's mistakes ----------------------------
     ("tp", TP, "--tp parsed by type=int (0 taken)", 25,
      [('parser.add_argument("--tp", type=positive_int,', 'parser.add_argument("--tp", type=int,')]),
+    ("tp", TP, "apply_tp without its return model", 24,
+     [("    # computes the same result, and the gradients DTensor hands back to them are already whole.\n"
+       "    return model\n",
+       "    # computes the same result, and the gradients DTensor hands back to them are already whole.\n")]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2200,6 +2204,7 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "apply_tp without its return model": ("apply_tp returned None", "return model"),
     "--tp parsed by type=int (0 taken)": ("--tp 0", "type=positive_int"),
     "the model built from a seed per rank, sharded in the FSDP layouts": (
         "other initial weights",),

@@ -59,7 +59,11 @@ def check(ctx) -> None:
     check_plan(ctx, run)
     if run.crashed:
         lost = None
-        if tp_after_fsdp(run):
+        if returned_none(run, "apply_tp"):
+            report_crash(ctx, run, todo=24, cause="apply_tp returned None, and model = "
+                         "apply_tp(model, mesh['tp']) made the model None: end apply_tp with "
+                         "return model")
+        elif tp_after_fsdp(run):
             report_crash(ctx, run, todo=28, cause="apply_tp runs after fully_shard, which made "
                          "the parameters DTensors on the dp mesh already: TP first, model = "
                          "apply_tp(model, mesh['tp']), then fully_shard over mesh['dp']")
@@ -574,6 +578,13 @@ def check_mesh(ctx, run) -> str:
                 return "group"
     rep.ok(26, f"the mesh is dp {world // tp} x tp {tp}, tp the inner dim")
     return "ok"
+
+
+def returned_none(run, name) -> bool:
+    """The run stopped on a None where the script's own function `name` had returned None."""
+    f = run.failure
+    return bool(f and "'NoneType' object" in f.message and any(
+        c.get("none") for c in (run.ranks[0] or {}).get("own_calls", {}).get(name, [])))
 
 
 def tp_after_fsdp(run) -> bool:
