@@ -1799,6 +1799,12 @@ MISTAKES = [
      [("    # computes the same result, and the gradients DTensor hands back to them are already whole.\n"
        "    return model\n",
        "    # computes the same result, and the gradients DTensor hands back to them are already whole.\n")]),
+    ("tp", TP, "--tp defaults to the GPUs of the node", 25,
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       "default=torch.cuda.device_count() or 1,")]),
+    ("tp", TP, "--tp defaults to SLURM_NTASKS_PER_NODE", 25,
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       'default=int(os.environ.get("SLURM_NTASKS_PER_NODE", 1)),')]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2402,6 +2408,10 @@ ONLY_FIXED = {
     "the mesh's names the other way round": {26},
     "dp_group from the tp dim": {26},
     "dp_rank from mesh['dp'].get_rank() (the global rank)": {26},
+    # another --tp than the processes per node: another split of the batch, and TODOs 31-32 wait
+    "--tp defaults to 1": {25},
+    "--tp defaults to the GPUs of the node": {25},
+    "--tp defaults to SLURM_NTASKS_PER_NODE": {25},
     # an import gone before the TODO that replaces the name's use: no FIX for the import TODO
     "DDP's import gone before TODO 29 replaces DDP": set(),
     "all_reduce_mean's import gone before TODO 38 replaces it": set(),

@@ -140,6 +140,12 @@ def check(ctx) -> None:
         if other is not None:  # (said above, under TODO 28)
             shards_right = False  # (evaluate() is still compared with the same model's)
             other_data = "once every rank builds the same model (TODO 28's FIX)"
+        elif tp != run.geometry.per_node and "--tp" not in r0.get("parser", {}).get("missing", []):
+            # another default than the processes per node: another split of the batch than the
+            # reference's, which TODO 25's FIX says (not three more FIX lines)
+            shards_right = False
+            other_data = (f"once --tp defaults to the processes per node (TODO 25): with tp {tp} "
+                          f"this run is dp {dp} x tp {tp}, on {dp} times one process's batch")
         if shards_right:
             check_losses(ctx, run, ref, 31)
         else:
