@@ -1805,6 +1805,9 @@ MISTAKES = [
     ("tp", TP, "--tp defaults to SLURM_NTASKS_PER_NODE", 25,
      [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
        'default=int(os.environ.get("SLURM_NTASKS_PER_NODE", 1)),')]),
+    ("tp", TP, "the training loss divided by the tp degree", 30,
+     [("                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n",
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.tp\n")]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2210,6 +2213,7 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "the training loss divided by the tp degree": ("half one process's", "without / args.tp"),
     "apply_tp without its return model": ("apply_tp returned None", "return model"),
     "--tp parsed by type=int (0 taken)": ("--tp 0", "type=positive_int"),
     "the model built from a seed per rank, sharded in the FSDP layouts": (
@@ -2408,6 +2412,7 @@ ONLY_FIXED = {
     "the mesh's names the other way round": {26},
     "dp_group from the tp dim": {26},
     "dp_rank from mesh['dp'].get_rank() (the global rank)": {26},
+    "the training loss divided by the tp degree": {30},
     # another --tp than the processes per node: another split of the batch, and TODOs 31-32 wait
     "--tp defaults to 1": {25},
     "--tp defaults to the GPUs of the node": {25},
