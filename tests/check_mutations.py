@@ -1808,6 +1808,11 @@ MISTAKES = [
     ("tp", TP, "the training loss divided by the tp degree", 30,
      [("                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n",
        "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.tp\n")]),
+    ("tp", TP, "evaluation samplers given dp_rank and dp_size by position, swapped", 27,
+     [("DistributedEvalSampler(val_ds, num_replicas=dp_size, rank=dp_rank)",
+       "DistributedEvalSampler(val_ds, dp_rank, dp_size)"),
+      ("DistributedEvalSampler(test_ds, num_replicas=dp_size, rank=dp_rank)",
+       "DistributedEvalSampler(test_ds, dp_rank, dp_size)")]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2213,6 +2218,8 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "evaluation samplers given dp_rank and dp_size by position, swapped": (
+        "takes the count first", "num_replicas=dp_size, rank=dp_rank"),
     "the training loss divided by the tp degree": ("half one process's", "without / args.tp"),
     "apply_tp without its return model": ("apply_tp returned None", "return model"),
     "--tp parsed by type=int (0 taken)": ("--tp 0", "type=positive_int"),

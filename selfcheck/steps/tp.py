@@ -63,6 +63,8 @@ def check(ctx) -> None:
             report_crash(ctx, run, todo=24, cause="apply_tp returned None, and model = "
                          "apply_tp(model, mesh['tp']) made the model None: end apply_tp with "
                          "return model")
+        elif swapped := swapped_sampler_arguments(run):
+            report_crash(ctx, run, todo=27, cause=swapped)
         elif tp_after_fsdp(run):
             report_crash(ctx, run, todo=28, cause="apply_tp runs after fully_shard, which made "
                          "the parameters DTensors on the dp mesh already: TP first, model = "
@@ -611,6 +613,24 @@ def check_mesh(ctx, run) -> str:
                 return "group"
     rep.ok(26, f"the mesh is dp {world // tp} x tp {tp}, tp the inner dim")
     return "ok"
+
+
+def swapped_sampler_arguments(run) -> str | None:
+    """A sampler given dp_rank and dp_size in each other's places (positionally: the order is
+    dataset, num_replicas, rank): replica 0 then has 0 replicas and stops dividing by it."""
+    tp = ((run.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+    if not isinstance(tp, int) or tp < 1:
+        return None
+    dp = run.geometry.world // tp
+    for rank, record in enumerate(run.ranks):
+        for s in (record or {}).get("samplers", []):
+            given = s["given"]
+            if given.get("num_replicas") == rank // tp != dp and given.get("rank") == dp:
+                return (f"{s['kind']}(dataset, num_replicas, rank) takes the count first: "
+                        f"rank {rank} got num_replicas={rank // tp}, rank={dp} (line "
+                        f"{s['line']}), dp_rank and dp_size the other way round; pass them as "
+                        "keywords, num_replicas=dp_size, rank=dp_rank")
+    return None
 
 
 def returned_none(run, name) -> bool:
