@@ -787,6 +787,8 @@ class Probe:
                          "kwargs": {key: short(v) for key, v in k.items()}}
                 if len(calls) < 5:
                     calls.append(entry)
+                if _name == "apply_tp":  # what the caller counted before the split (TODO 28)
+                    entry["locals_before"] = self.script_locals(names=("local_params",))
                 result = _original(*a, **k)
                 entry["returned"] = True
                 if result is None:  # (a function without its `return model`)

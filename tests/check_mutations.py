@@ -1813,6 +1813,16 @@ MISTAKES = [
        "DistributedEvalSampler(val_ds, dp_rank, dp_size)"),
       ("DistributedEvalSampler(test_ds, num_replicas=dp_size, rank=dp_rank)",
        "DistributedEvalSampler(test_ds, dp_rank, dp_size)")]),
+    ("tp", TP, "local_params counted before apply_tp", 28,
+     [('    model = apply_tp(model, mesh["tp"])\n'
+       "    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())\n",
+       "    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())\n"
+       '    model = apply_tp(model, mesh["tp"])\n')]),
+    ("tp", TP, "the summary's params_per_rank from model.num_params()", 31,
+     [("params_per_rank=local_params, memory=monitor.memory)",
+       "params_per_rank=model.num_params(), memory=monitor.memory)")]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2218,6 +2228,8 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "local_params counted before apply_tp": ("counted before apply_tp",),
+    "the summary's params_per_rank from model.num_params()": ("params_per_rank=local_params",),
     "evaluation samplers given dp_rank and dp_size by position, swapped": (
         "takes the count first", "num_replicas=dp_size, rank=dp_rank"),
     "the training loss divided by the tp degree": ("half one process's", "without / args.tp"),

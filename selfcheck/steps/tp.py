@@ -374,6 +374,22 @@ def check_local_params(ctx, run) -> None:
     if not isinstance(given, (int, float)) or not whole or not mine or \
             abs(given - mine) <= 0.01 * whole:
         return
+    r0 = run.ranks[0] or {}
+    counted = (r0.get("step_locals") or {}).get("local_params")
+    before = ((r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("locals_before")
+              or {}).get("local_params")
+    if run.summary is not None and isinstance(counted, int) and abs(counted - mine) <= 0.01 * whole:
+        # the script counted right; training_summary was told another number (TODO 31)
+        ctx.report.fail(31, f"summary.json's params_per_rank is {given:.0f}, but local_params "
+                        f"is {counted}, what rank 0 holds after apply_tp: "
+                        "params_per_rank=local_params to training_summary")
+        return
+    if before is not None and before == given and given >= whole:
+        ctx.report.fail(28, f"local_params is {given:.0f}, the whole model's count: it is "
+                        "counted before apply_tp splits the model; count it after model = "
+                        f"apply_tp(model, mesh['tp']), where rank 0 holds {mine} of the "
+                        f"{whole} parameters")
+        return
     why = ("the whole model's count: a DTensor's numel() is its global size" if given >= whole
            else "not what this rank holds")
     ctx.report.fail(28, f"local_params is {given:.0f}, {why}; after apply_tp rank 0 holds "
