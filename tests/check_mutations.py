@@ -1823,6 +1823,9 @@ MISTAKES = [
     ("tp", TP, "the summary's params_per_rank from model.num_params()", 31,
      [("params_per_rank=local_params, memory=monitor.memory)",
        "params_per_rank=model.num_params(), memory=monitor.memory)")]),
+    ("tp", TP, "loss_history gets each replica's own loss (the step lines the mean)", 31,
+     [("            loss_history.append(step_loss)\n",
+       "            loss_history.append(loss.detach())\n")]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2228,6 +2231,8 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "loss_history gets each replica's own loss (the step lines the mean)": (
+        "loss_history holds others", "loss_history.append(step_loss)"),
     "local_params counted before apply_tp": ("counted before apply_tp",),
     "the summary's params_per_rank from model.num_params()": ("params_per_rank=local_params",),
     "evaluation samplers given dp_rank and dp_size by position, swapped": (
