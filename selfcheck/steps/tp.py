@@ -2,9 +2,9 @@
 
 Your script runs as one node with two processes (the TP degree defaults to the processes per
 node: tp 2, dp 1) next to the DDP solution in one process with the same batch, and once more in
-one process with --tp 3, which cannot split: it must stop with one line. The check looks at
-the mesh the script built, how every parameter is split, which batches the ranks read, what
-the run counts and logs, and the weights it saves.
+one process with --tp 3, which cannot split: it must stop with one line (and with --tp 0, which
+the parser must refuse). The check looks at the mesh the script built, how every parameter is
+split, which batches the ranks read, what the run counts and logs, and the weights it saves.
 """
 
 from __future__ import annotations
