@@ -394,8 +394,8 @@ class Probe:
                 "coords": list(mesh.get_coordinate() or [])})
         # the same function under every public name it has (torch.distributed.tensor bound it
         # when it was imported, before the probe), and a DeviceMesh the script builds itself
-        made = dm.init_device_mesh
-        wrapped = wrap(dm, "init_device_mesh", after=mesh_after) and dm.init_device_mesh
+        made = wrap(dm, "init_device_mesh", after=mesh_after)
+        wrapped = dm.init_device_mesh
         for owner in ("torch.distributed", "torch.distributed.tensor",
                       "torch.distributed.tensor.device_mesh"):
             if getattr(sys.modules.get(owner), "init_device_mesh", None) is made:

@@ -142,7 +142,8 @@ def check(ctx) -> None:
         if other is not None:  # (said above, under TODO 28)
             shards_right = False  # (evaluate() is still compared with the same model's)
             other_data = "once every rank builds the same model (TODO 28's FIX)"
-        elif tp != run.geometry.per_node and "--tp" not in r0.get("parser", {}).get("missing", []):
+        elif isinstance(given_tp := (r0.get("parser", {}).get("values") or {}).get("tp"), int) \
+                and given_tp != run.geometry.per_node:
             # another default than the processes per node: another split of the batch than the
             # reference's, which TODO 25's FIX says (not three more FIX lines)
             shards_right = False
@@ -340,10 +341,10 @@ def divided_loss(ctx, run, ref, tp) -> bool:
         return False
     part = "half" if tp == 2 else f"1/{tp}"
     ctx.report.fail(30, f"the first step's loss ({loss:.5f}) and gradient norm ({grad:.4g}) are "
-                    f"{part} one process's ({norm:.5f}, {ref_grad:.4g}): the loss is divided by {tp} "
-                    "(the tp degree?) before backward(), but under loss_parallel() every rank of "
-                    "the TP group gets the whole batch's mean already; backward on it as it is, "
-                    "loss = F.cross_entropy(...) without / args.tp")
+                    f"{part} one process's ({norm:.5f}, {ref_grad:.4g}): the loss is divided "
+                    f"by {tp} (the tp degree?) before backward(), but under loss_parallel() "
+                    "every rank of the TP group gets the whole batch's mean already; backward on "
+                    "it as it is, loss = F.cross_entropy(...) without / args.tp")
     return True
 
 
@@ -378,7 +379,8 @@ def check_local_params(ctx, run) -> None:
     counted = (r0.get("step_locals") or {}).get("local_params")
     before = ((r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("locals_before")
               or {}).get("local_params")
-    if run.summary is not None and isinstance(counted, int) and abs(counted - mine) <= 0.01 * whole:
+    if run.summary is not None and isinstance(counted, int) and \
+            abs(counted - mine) <= 0.01 * whole:
         # the script counted right; training_summary was told another number (TODO 31)
         ctx.report.fail(31, f"summary.json's params_per_rank is {given:.0f}, but local_params "
                         f"is {counted}, what rank 0 holds after apply_tp: "
