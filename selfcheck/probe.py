@@ -395,7 +395,22 @@ class Probe:
                 "device_type": a[0] if a else k.get("device_type"),
                 "shape": list(mesh.mesh.shape), "names": list(mesh.mesh_dim_names or []),
                 "coords": list(mesh.get_coordinate() or [])})
-        wrap(dm, "init_device_mesh", after=mesh_after)
+        # the same function under every public name it has (torch.distributed.tensor bound it
+        # when it was imported, before the probe), and a DeviceMesh the script builds itself
+        made = wrap(dm, "init_device_mesh", after=mesh_after)
+        wrapped = dm.init_device_mesh
+        for owner in ("torch.distributed", "torch.distributed.tensor",
+                      "torch.distributed.tensor.device_mesh"):
+            if getattr(sys.modules.get(owner), "init_device_mesh", None) is made:
+                sys.modules[owner].init_device_mesh = wrapped
+        mesh_init = dm.DeviceMesh.__init__
+
+        @functools.wraps(mesh_init)
+        def mesh_init_(mesh, *a, **k):
+            mesh_init(mesh, *a, **k)
+            if sys._getframe(1).f_code.co_filename == probe.script:  # (not torch's own)
+                mesh_after(mesh, *a, **k)
+        dm.DeviceMesh.__init__ = mesh_init_
         import torch.distributed.tensor.parallel as tpar
 
         def plan_layouts(*a, **k):
@@ -775,8 +790,12 @@ class Probe:
                          "kwargs": {key: short(v) for key, v in k.items()}}
                 if len(calls) < 5:
                     calls.append(entry)
+                if _name == "apply_tp":  # what the caller counted before the split (TODO 28)
+                    entry["locals_before"] = self.script_locals(names=("local_params",))
                 result = _original(*a, **k)
                 entry["returned"] = True
+                if result is None:  # (a function without its `return model`)
+                    entry["none"] = True
                 if _name == "apply_tp" and hasattr(result, "named_parameters"):
                     try:  # the split as the plan left it: a later fully_shard that fails midway
                         entry["plan"] = describe_tp(result)  # changes parameters too

@@ -1840,6 +1840,40 @@ MISTAKES = [
     ("memory", MEM, "the model built from a seed per rank, sharded in the FSDP layouts", 56,
      [("    model = TransformerLM(cfg).to(device)\n",
        "    torch.manual_seed(args.seed + rank)\n    model = TransformerLM(cfg).to(device)\n")]),
+    # ---- tensor parallelism: the second red-team round's mistakes ----------------------------
+    ("tp", TP, "--tp parsed by type=int (0 taken)", 25,
+     [('parser.add_argument("--tp", type=positive_int,', 'parser.add_argument("--tp", type=int,')]),
+    ("tp", TP, "apply_tp without its return model", 24,
+     [("    # computes the same result, and the gradients DTensor hands back to them are already whole.\n"
+       "    return model\n",
+       "    # computes the same result, and the gradients DTensor hands back to them are already whole.\n")]),
+    ("tp", TP, "--tp defaults to the GPUs of the node", 25,
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       "default=torch.cuda.device_count() or 1,")]),
+    ("tp", TP, "--tp defaults to SLURM_NTASKS_PER_NODE", 25,
+     [('default=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),',
+       'default=int(os.environ.get("SLURM_NTASKS_PER_NODE", 1)),')]),
+    ("tp", TP, "the training loss divided by the tp degree", 30,
+     [("                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())\n",
+       "                loss = F.cross_entropy(logits.flatten(0, 1), y.flatten()) / args.tp\n")]),
+    ("tp", TP, "evaluation samplers given dp_rank and dp_size by position, swapped", 27,
+     [("DistributedEvalSampler(val_ds, num_replicas=dp_size, rank=dp_rank)",
+       "DistributedEvalSampler(val_ds, dp_rank, dp_size)"),
+      ("DistributedEvalSampler(test_ds, num_replicas=dp_size, rank=dp_rank)",
+       "DistributedEvalSampler(test_ds, dp_rank, dp_size)")]),
+    ("tp", TP, "local_params counted before apply_tp", 28,
+     [('    model = apply_tp(model, mesh["tp"])\n'
+       "    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())\n",
+       "    local_params = sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()\n"
+       "                       for p in model.parameters())\n"
+       '    model = apply_tp(model, mesh["tp"])\n')]),
+    ("tp", TP, "the summary's params_per_rank from model.num_params()", 31,
+     [("params_per_rank=local_params, memory=monitor.memory)",
+       "params_per_rank=model.num_params(), memory=monitor.memory)")]),
+    ("tp", TP, "loss_history gets each replica's own loss (the step lines the mean)", 31,
+     [("            loss_history.append(step_loss)\n",
+       "            loss_history.append(loss.detach())\n")]),
     # ---- the test split's sampler, read as carefully as the validation split's -------------
     ("pp", PP, "the test sampler split over the ranks", 35,
      [("test_sampler = DistributedEvalSampler(test_ds, num_replicas=1, rank=0)",
@@ -2272,6 +2306,15 @@ MESSAGES = {
     "the model built from a seed per rank, then sharded": ("other initial weights",
                                                            "FSDP does not"),
     "the model built from a seed per rank, then split": ("other initial weights",),
+    "loss_history gets each replica's own loss (the step lines the mean)": (
+        "loss_history holds others", "loss_history.append(step_loss)"),
+    "local_params counted before apply_tp": ("counted before apply_tp",),
+    "the summary's params_per_rank from model.num_params()": ("params_per_rank=local_params",),
+    "evaluation samplers given dp_rank and dp_size by position, swapped": (
+        "takes the count first", "num_replicas=dp_size, rank=dp_rank"),
+    "the training loss divided by the tp degree": ("half one process's", "without / args.tp"),
+    "apply_tp without its return model": ("apply_tp returned None", "return model"),
+    "--tp parsed by type=int (0 taken)": ("--tp 0", "type=positive_int"),
     "the model built from a seed per rank, sharded in the FSDP layouts": (
         "other initial weights",),
     "DataParallel imported under the name DDP": ("DataParallel", "DistributedDataParallel as DDP"),
@@ -2468,6 +2511,11 @@ ONLY_FIXED = {
     "the mesh's names the other way round": {26},
     "dp_group from the tp dim": {26},
     "dp_rank from mesh['dp'].get_rank() (the global rank)": {26},
+    "the training loss divided by the tp degree": {30},
+    # another --tp than the processes per node: another split of the batch, and TODOs 31-32 wait
+    "--tp defaults to 1": {25},
+    "--tp defaults to the GPUs of the node": {25},
+    "--tp defaults to SLURM_NTASKS_PER_NODE": {25},
     # an import gone before the TODO that replaces the name's use: no FIX for the import TODO
     "DDP's import gone before TODO 29 replaces DDP": set(),
     "all_reduce_mean's import gone before TODO 38 replaces it": set(),
@@ -2995,6 +3043,17 @@ CORRECT = [
        "step_loss = loss.detach().clone()\n"
        "            torch.distributed.all_reduce(step_loss, group=dp_group)\n"
        "            step_loss /= dp_size")]),
+    ("tp", TP, "init_device_mesh imported from torch.distributed.tensor",
+     [("from torch.distributed.device_mesh import init_device_mesh\n", ""),
+      ("from torch.distributed.tensor import Replicate\n",
+       "from torch.distributed.tensor import Replicate, init_device_mesh\n")]),
+    ("tp", TP, "the DeviceMesh built by hand",
+     [("from torch.distributed.device_mesh import init_device_mesh\n",
+       "from torch.distributed.device_mesh import DeviceMesh\n"),
+      ('    mesh = init_device_mesh(device.type, (world_size // args.tp, args.tp),\n'
+       '                            mesh_dim_names=("dp", "tp"))\n',
+       '    mesh = DeviceMesh(device.type, torch.arange(world_size).view(-1, args.tp),\n'
+       '                      mesh_dim_names=("dp", "tp"))\n')]),
     ("collectives", COLL, "the fit by numpy.polyfit",
      [("""    mean_x, mean_y = sum(sizes) / len(sizes), sum(seconds) / len(seconds)
     slope = (sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, seconds, strict=True))

@@ -2,9 +2,9 @@
 
 Your script runs as one node with two processes (the TP degree defaults to the processes per
 node: tp 2, dp 1) next to the DDP solution in one process with the same batch, and once more in
-one process with --tp 3, which cannot split: it must stop with one line. The check looks at
-the mesh the script built, how every parameter is split, which batches the ranks read, what
-the run counts and logs, and the weights it saves.
+one process with --tp 3, which cannot split: it must stop with one line (and with --tp 0, which
+the parser must refuse). The check looks at the mesh the script built, how every parameter is
+split, which batches the ranks read, what the run counts and logs, and the weights it saves.
 """
 
 from __future__ import annotations
@@ -39,11 +39,14 @@ def check(ctx) -> None:
               eval_probe=True, optional=OPTIONAL)
     bad = Run(ctx.work, "tp3", ctx.script, BATCH, geometry=ONE, optional=OPTIONAL,
               extra=["--tp", "3", "--max-steps", "1"])
+    # a degree of 0 is no degree: the parser's type must refuse it (type=int lets it through)
+    zero = Run(ctx.work, "tp0", ctx.script, BATCH, geometry=ONE, optional=OPTIONAL,
+               extra=["--tp", "0", "--max-steps", "1"])
     # on two nodes with one process each, TP must stay inside a node: --tp defaults to 1, and
     # the two replicas (dp 2) must train and evaluate like one process on the same global batch
     nodes = Run(ctx.work, "two nodes", ctx.script, BATCH // 2, geometry=TWO_NODES,
                 optional=OPTIONAL, extra=SHORT, eval_probe=True)
-    ref.wait(), run.wait(), bad.wait(), nodes.wait()
+    ref.wait(), run.wait(), bad.wait(), zero.wait(), nodes.wait()
     if ref.crashed:
         raise RuntimeError(f"the reference run failed: {ref.failure and ref.failure.message}")
     records = [r for r in run.ranks if r]
@@ -51,12 +54,18 @@ def check(ctx) -> None:
         report_crash(ctx, run)
         return
     r0 = records[0]
-    check_option(ctx, run, bad, nodes)
+    check_option(ctx, run, bad, zero, nodes)
     mesh = check_mesh(ctx, run)
     check_plan(ctx, run)
     if run.crashed:
         lost = None
-        if tp_after_fsdp(run):
+        if returned_none(run, "apply_tp"):
+            report_crash(ctx, run, todo=24, cause="apply_tp returned None, and model = "
+                         "apply_tp(model, mesh['tp']) made the model None: end apply_tp with "
+                         "return model")
+        elif swapped := swapped_sampler_arguments(run):
+            report_crash(ctx, run, todo=27, cause=swapped)
+        elif tp_after_fsdp(run):
             report_crash(ctx, run, todo=28, cause="apply_tp runs after fully_shard, which made "
                          "the parameters DTensors on the dp mesh already: TP first, model = "
                          "apply_tp(model, mesh['tp']), then fully_shard over mesh['dp']")
@@ -133,6 +142,16 @@ def check(ctx) -> None:
         if other is not None:  # (said above, under TODO 28)
             shards_right = False  # (evaluate() is still compared with the same model's)
             other_data = "once every rank builds the same model (TODO 28's FIX)"
+        elif isinstance(given_tp := (r0.get("parser", {}).get("values") or {}).get("tp"), int) \
+                and given_tp != run.geometry.per_node:
+            # another default than the processes per node: another split of the batch than the
+            # reference's, which TODO 25's FIX says (not three more FIX lines)
+            shards_right = False
+            other_data = (f"once --tp defaults to the processes per node (TODO 25): with tp {tp} "
+                          f"this run is dp {dp} x tp {tp}, on {dp} times one process's batch")
+        if shards_right and divided_loss(ctx, run, ref, tp):
+            shards_right = False  # (evaluate() is still compared with the same model's)
+            other_data = "once the loss is not divided (TODO 30's FIX)"
         if shards_right:
             check_losses(ctx, run, ref, 31)
         else:
@@ -305,6 +324,30 @@ def check_logged_losses(ctx, run, ref, todo, what="the logged training losses") 
     return True
 
 
+def divided_loss(ctx, run, ref, tp) -> bool:
+    """TODO 30: the first step's loss and gradient norm 1/tp of one process's: the loss was
+    divided by the TP degree before backward(), as if each rank held a part of it (the loss
+    loss_parallel returns is the whole batch's mean on every rank of the TP group already).
+    A FIX line, and True; a loss divided for the log only is TODO 31's (its losses differ)."""
+    def first(r, key):
+        return next((e["metrics"][key] for e in (r.ranks[0] or {}).get("logged", [])
+                     if key in e["metrics"]), None)
+    if tp < 2:
+        return False
+    loss, norm = first(run, "train/loss"), first(ref, "train/loss")
+    grad, ref_grad = first(run, "train/grad_norm"), first(ref, "train/grad_norm")
+    if not (near(loss, norm / tp, 0.01) if loss and norm else False) or \
+            not (near(grad, ref_grad / tp, 0.01) if grad and ref_grad else False):
+        return False
+    part = "half" if tp == 2 else f"1/{tp}"
+    ctx.report.fail(30, f"the first step's loss ({loss:.5f}) and gradient norm ({grad:.4g}) are "
+                    f"{part} one process's ({norm:.5f}, {ref_grad:.4g}): the loss is divided "
+                    f"by {tp} (the tp degree?) before backward(), but under loss_parallel() "
+                    "every rank of the TP group gets the whole batch's mean already; backward on "
+                    "it as it is, loss = F.cross_entropy(...) without / args.tp")
+    return True
+
+
 def check_loss_parallel(ctx, run) -> None:
     rep = ctx.report
     if any(c["func"] == "main" for c in calls(run, "loss_parallel")):
@@ -331,6 +374,23 @@ def check_local_params(ctx, run) -> None:
     whole, mine = desc.get("numel"), desc.get("tp_local_numel")
     if not isinstance(given, (int, float)) or not whole or not mine or \
             abs(given - mine) <= 0.01 * whole:
+        return
+    r0 = run.ranks[0] or {}
+    counted = (r0.get("step_locals") or {}).get("local_params")
+    before = ((r0.get("own_calls", {}).get("apply_tp") or [{}])[0].get("locals_before")
+              or {}).get("local_params")
+    if run.summary is not None and isinstance(counted, int) and \
+            abs(counted - mine) <= 0.01 * whole:
+        # the script counted right; training_summary was told another number (TODO 31)
+        ctx.report.fail(31, f"summary.json's params_per_rank is {given:.0f}, but local_params "
+                        f"is {counted}, what rank 0 holds after apply_tp: "
+                        "params_per_rank=local_params to training_summary")
+        return
+    if before is not None and before == given and given >= whole:
+        ctx.report.fail(28, f"local_params is {given:.0f}, the whole model's count: it is "
+                        "counted before apply_tp splits the model; count it after model = "
+                        f"apply_tp(model, mesh['tp']), where rank 0 holds {mine} of the "
+                        f"{whole} parameters")
         return
     why = ("the whole model's count: a DTensor's numel() is its global size" if given >= whole
            else "not what this rank holds")
@@ -400,6 +460,11 @@ def check_replicas(ctx, nodes, ref) -> None:
         compare = check_losses if evaluated else check_logged_losses
         if compare(ctx, nodes, ref, 31, NODES + "the logged losses"):
             del rep.verdicts[31][before:]  # (said once, for the run above)
+        elif evaluated and history_alone_differs(nodes, ref):
+            rep.verdicts[31][-1] = ("FIX", NODES + "the step lines print one process's losses, "
+                                    "but summary.json's loss_history holds others: each "
+                                    "replica keeps its own loss there; keep the averaged one, "
+                                    "loss_history.append(step_loss)")
         elif not reduces_loss(nodes) and rep.verdicts[31][-1][0] == "FIX":
             kind, text = rep.verdicts[31][-1]
             rep.verdicts[31][-1] = (kind, text + ": each replica logs the loss of its own "
@@ -411,6 +476,17 @@ def check_replicas(ctx, nodes, ref) -> None:
                             "different samples: add up loss_sum and tokens over dp_group, "
                             "all_reduce_sum(t, dp_group)"):
             del rep.verdicts[33][before:]
+
+
+def history_alone_differs(run, ref) -> bool:
+    """The printed step lines (rank 0's) are one process's losses at every step they show,
+    the loss history in summary.json is not."""
+    theirs = ref.summary["loss_history"]
+    printed = {s: v for s, v in printed_losses(run.outputs[0]).items() if 1 <= s <= len(theirs)}
+    mine = (run.summary or {}).get("loss_history") or []
+    return bool(printed) and len(mine) == len(theirs) and all(
+        near(v, theirs[s - 1], 1e-3, 1e-3) for s, v in printed.items()) and not all(
+        near(float(m), t) for m, t in zip(mine, theirs, strict=True))
 
 
 def reduces_loss(run) -> bool:
@@ -436,7 +512,7 @@ def report_nodes_crash(ctx, nodes, default_todo=None) -> None:
     report_crash(ctx, nodes, todo=todo, cause=cause, prefix=NODES)
 
 
-def check_option(ctx, run, bad, nodes) -> None:
+def check_option(ctx, run, bad, zero, nodes) -> None:
     rep = ctx.report
     parser = (run.ranks[0] or {}).get("parser", {})
     given = ((bad.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
@@ -465,10 +541,15 @@ def check_option(ctx, run, bad, nodes) -> None:
                  "default=int(os.environ.get('LOCAL_WORLD_SIZE', 1))")
     else:
         on_nodes = ((nodes.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+        zero_taken = zero_accepted(zero)
         if on_nodes is not None and on_nodes != 1:
             rep.fail(25, f"on two nodes with one process each --tp defaults to {on_nodes}: TP "
                      "must stay inside a node, default=int(os.environ.get('LOCAL_WORLD_SIZE', 1)) "
                      "(the processes of this node, not WORLD_SIZE)")
+        elif zero_taken:
+            rep.fail(25, f"--tp 0 is taken as a degree, and the run {zero_taken}: the parser must "
+                     "refuse 0 and negative degrees in one line, add_argument('--tp', "
+                     "type=positive_int, ...) instead of type=int")
         else:
             rep.ok(25, f"--tp defaults to the processes per node ({tp})")
     # --tp 3 in one process cannot split: one line, no traceback (check_tp_degree, TODO 26)
@@ -483,6 +564,20 @@ def check_option(ctx, run, bad, nodes) -> None:
         rep.fail(26, f"with --tp 3 in one process the run ends in {f.message[:80]!r} instead of "
                  "one line saying what to change: check_tp_degree(args.tp, world_size, cfg) "
                  "first")
+
+
+def zero_accepted(zero) -> str | None:
+    """What the run given --tp 0 did once its parser took the 0 ("went on", "stopped in ..."),
+    or None where the parser refused it (or the script has no --tp yet)."""
+    r = zero.ranks[0] or {}
+    if (r.get("parser", {}).get("values", {}) or {}).get("tp") != 0:
+        return None
+    f = zero.failure
+    if f is None:
+        return "went on"
+    if f.kind == "exit" and f.message.startswith("error:"):
+        return None  # (a one-line stop after the parser, the script's own check: fine too)
+    return f"stopped with {f.message[:80]!r}"
 
 
 def check_mesh(ctx, run) -> str:
@@ -552,6 +647,31 @@ def check_mesh(ctx, run) -> str:
                 return "group"
     rep.ok(26, f"the mesh is dp {world // tp} x tp {tp}, tp the inner dim")
     return "ok"
+
+
+def swapped_sampler_arguments(run) -> str | None:
+    """A sampler given dp_rank and dp_size in each other's places (positionally: the order is
+    dataset, num_replicas, rank): replica 0 then has 0 replicas and stops dividing by it."""
+    tp = ((run.ranks[0] or {}).get("parser", {}).get("values", {}) or {}).get("tp")
+    if not isinstance(tp, int) or tp < 1:
+        return None
+    dp = run.geometry.world // tp
+    for rank, record in enumerate(run.ranks):
+        for s in (record or {}).get("samplers", []):
+            given = s["given"]
+            if given.get("num_replicas") == rank // tp != dp and given.get("rank") == dp:
+                return (f"{s['kind']}(dataset, num_replicas, rank) takes the count first: "
+                        f"rank {rank} got num_replicas={rank // tp}, rank={dp} (line "
+                        f"{s['line']}), dp_rank and dp_size the other way round; pass them as "
+                        "keywords, num_replicas=dp_size, rank=dp_rank")
+    return None
+
+
+def returned_none(run, name) -> bool:
+    """The run stopped on a None where the script's own function `name` had returned None."""
+    f = run.failure
+    return bool(f and "'NoneType' object" in f.message and any(
+        c.get("none") for c in (run.ranks[0] or {}).get("own_calls", {}).get(name, [])))
 
 
 def tp_after_fsdp(run) -> bool:
