@@ -155,6 +155,8 @@ class Probe:
         import argparse
         optional = dict(f.split("=") for f in os.environ.get("CHECK_OPTIONAL_FLAGS", "")
                         .split(",") if f)
+        fallbacks = dict(f.split("=") for f in os.environ.get("CHECK_FLAG_FALLBACKS", "")
+                         .split(",") if f)
         parse_args = argparse.ArgumentParser.parse_args
 
         def parse_args_(parser, args=None, namespace=None):
@@ -166,9 +168,19 @@ class Probe:
                     i = argv.index(flag)
                     del argv[i:i + 1 + int(n)]
                     missing.append(flag)
+            # a value the check gives that the script's choices leave out: the fallback
+            # instead (the script may offer fewer modes than torch.compile has)
+            substituted = {}
+            for flag, value in fallbacks.items():
+                action = next((a for a in parser._actions if flag in a.option_strings), None)
+                i = argv.index(flag) if flag in argv else -1
+                if action and action.choices and 0 <= i < len(argv) - 1 \
+                        and argv[i + 1] not in action.choices and value in action.choices:
+                    argv[i + 1] = substituted[flag] = value
             ns = parse_args(parser, argv, namespace)
             simple = (int, float, str, bool, type(None))
-            record["parser"] = {"missing": missing, "options": sorted(known), "values": {
+            record["parser"] = {"missing": missing, "substituted": substituted,
+                                "options": sorted(known), "values": {
                 k: v for k, v in vars(ns).items() if isinstance(v, simple)},
                 "defaults": {a.dest: a.default for a in parser._actions
                              if a.option_strings and isinstance(a.default, simple)}}
@@ -219,6 +231,8 @@ class Probe:
         def loader_iter(self):
             if hasattr(self.dataset, "_check"):
                 self.dataset._check["passes"].append([])
+            if dataset_index(self.dataset) == 0:  # a training epoch's batches begin
+                record.setdefault("train_passes_t", []).append(time.perf_counter())
         wrap(DataLoader, "__iter__", before=loader_iter)
 
         def loader_init(self, dataset, *a, **k):
@@ -544,6 +558,10 @@ class Probe:
             record["profilers_started"] = record.get("profilers_started", 0) + 1
         wrap(tprof.profiler.profile, "start", before=profiler_started)
 
+        def profiler_stepped(*a, **k):  # (more steps than training steps: stepped twice)
+            record["profiler_steps"] = record.get("profiler_steps", 0) + 1
+        wrap(tprof.profiler.profile, "step", before=profiler_stepped)
+
         from torch.autograd.profiler_util import EventList
 
         def table_after(result, self, *a, **k):
@@ -709,9 +727,12 @@ class Probe:
 
     def forward_pre_hook(self, module, inputs):
         import torch
+        device = next((x.device.type for x in inputs if hasattr(x, "device")), "cpu")
         if len(self.record["autocast_forward"]) < 20:
-            device = next((x.device.type for x in inputs if hasattr(x, "device")), "cpu")
             self.record["autocast_forward"].append(bool(torch.is_autocast_enabled(device)))
+        if not torch.is_grad_enabled() and torch.is_autocast_enabled(device):
+            # an evaluation under autocast (the course evaluates in fp32)
+            self.record["autocast_no_grad"] = self.record.get("autocast_no_grad", 0) + 1
 
     def linear_hook(self, module, inputs, output):
         if len(self.record["forward_dtypes"]) < 20 and hasattr(output, "dtype"):
