@@ -1353,6 +1353,12 @@ MISTAKES = [
     ("perf", PERF, '--compile-mode defaulting to reduce-overhead', 63,
      [('    parser.add_argument("--compile-mode", default=None,',
        '    parser.add_argument("--compile-mode", default="reduce-overhead",')]),
+    ("perf", PERF, "the GPU's operator table sorted by device_time_total", 43,
+     [('sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"',
+       'sort_by = "device_time_total" if device.type == "cuda" else "self_cpu_time_total"')]),
+    ("perf", PERF, "the CPU's operator table sorted by cpu_time_total", 43,
+     [('sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"',
+       'sort_by = "self_device_time_total" if device.type == "cuda" else "cpu_time_total"')]),
     # ---- the performance job file ------------------------------------------------------
     ("perf-sbatch", PERF_SBATCH, "nsys on every run", 48,
      [('if [ "${NSYS:-0}" = 1 ]; then', "if true; then")]),
@@ -1922,6 +1928,8 @@ MISTAKES = [
 
 # Words the FIX line of a mistake must hold (what to change, named): what -> words.
 MESSAGES = {
+    "the GPU's operator table sorted by device_time_total": ("sort_by='self_device_time_total'",),
+    "the CPU's operator table sorted by cpu_time_total": ("sort_by='self_cpu_time_total'",),
     "MFU's FLOPs per token as 6 N, without the attention's 12 L d T": ('6 N alone', '12 L d T'),
     "the interval's tokens never set back, its clock is": ('the rate grows from report to report',),
     "the rate read from the course monitor's throughput.tokens_per_s()": ('nan tokens/s',),

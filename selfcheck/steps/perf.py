@@ -611,6 +611,11 @@ def check_profiler(ctx, run, short, profiling) -> set:
     elif not printed:
         rep.fail(43, "after profiler.stop(), print0 the operator table: "
                  "profiler.key_averages().table(sort_by=..., row_limit=12)")
+    elif any(t.get("sort_by") == "cpu_time_total" for t in tables):
+        rep.fail(43, "on a CPU the operator table is sorted by cpu_time_total, which counts "
+                 "every operator's children too (the operators that call others rise to the "
+                 "top with time they did not spend themselves): sort by the time each operator "
+                 "itself took, sort_by='self_cpu_time_total'")
     else:
         rep.ok(43, f"each rank writes a trace of steps {window[0]}-{window[-1]}, and the "
                "operator table is printed" + ("; profiler_window fits runs of 1 to 12 steps "
@@ -1100,6 +1105,11 @@ def check_on_a_gpu(ctx, run, gpu, profiling) -> None:
                      f"{state.get('steps')} times in {steps} training steps: profiler.step() "
                      "once after every training step, outside the `if step % args.log_every` "
                      "block")
+        elif sorts and any(s in ("device_time_total", "cuda_time_total") for s in sorts):
+            rep.fail(43, f"on a GPU the operator table is sorted by {sorts[0]}, which counts "
+                     "each kernel again in every operator above the one that launched it: "
+                     "sort by the time each operator itself took on the GPU, "
+                     "sort_by='self_device_time_total'")
         elif sorts and not any(s in standin.DEVICE_SORT_KEYS for s in sorts):
             rep.fail(43, f"on a GPU the operator table is sorted by {sorts[0]}, the CPU's time "
                      "to launch the kernels: sort_by='self_device_time_total' when "
