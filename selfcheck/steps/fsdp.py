@@ -496,11 +496,8 @@ def check_checkpoints(ctx, run, stop, resumed) -> None:
                      "save_sharded_model(model, optimizer, out_dir / 'checkpoints' / name, "
                      "train_state) at the end of every epoch")
         return
-    try:
-        state = json.loads((last / "train_state.json").read_text())
-    except (OSError, ValueError):
-        state = None
-    if state is None:
+    state = final_state(run)
+    if not state:
         rep.fail(20, "checkpoints/last has no readable train_state.json: save with "
                  "save_sharded_model(model, optimizer, folder, train_state)")
         return
